@@ -1,0 +1,268 @@
+//! Per-worker state the router keeps: configuration, throughput estimates, the latest load report,
+//! the reservation ledger and health. All of it sits behind the router's one fleet lock.
+
+use std::time::Duration;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use crate::decision::FallbackReason;
+use crate::error::CoreError;
+use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
+use crate::ledger::{LoadDelta, WorkerLedger};
+use crate::load::{LoadSnapshot, Throughput};
+use crate::policy::projected::WorkerLoad;
+use crate::policy::Knob;
+use crate::time::Timestamp;
+
+/// Bounds of a worker's configured prefill throughput.
+pub const PREFILL_TOKENS_PER_S: Knob = Knob {
+    name: "prefill_tokens_per_s",
+    min: 1.0,
+    max: 1e9,
+    default: 20_000.0,
+    meaning: "configured prefill throughput of one worker, new tokens per second (profile A: a large MoE on one 8×H200 engine)",
+};
+/// Bounds of a worker's configured decode throughput.
+pub const DECODE_TOKENS_PER_S: Knob = Knob {
+    name: "decode_tokens_per_s",
+    min: 1.0,
+    max: 1e9,
+    default: 2_000.0,
+    meaning: "configured aggregate decode throughput of one worker, tokens per second",
+};
+/// Bounds of a worker's KV capacity.
+pub const KV_CAPACITY_TOKENS: Knob = Knob {
+    name: "kv_capacity_tokens",
+    min: 1.0,
+    max: 1e12,
+    default: 500_000.0,
+    meaning: "tokens of KV cache one worker holds (profile A: 500k); turns reserved tokens into usage for the barrier",
+};
+
+/// A worker as configured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    /// The worker's name.
+    pub id: WorkerId,
+    /// See [`PREFILL_TOKENS_PER_S`].
+    pub prefill_tokens_per_s: f64,
+    /// See [`DECODE_TOKENS_PER_S`].
+    pub decode_tokens_per_s: f64,
+    /// See [`KV_CAPACITY_TOKENS`].
+    pub kv_capacity_tokens: u64,
+}
+
+impl WorkerConfig {
+    /// A worker with default throughputs and capacity.
+    pub fn new(id: impl Into<WorkerId>) -> Self {
+        WorkerConfig {
+            id: id.into(),
+            prefill_tokens_per_s: PREFILL_TOKENS_PER_S.default,
+            decode_tokens_per_s: DECODE_TOKENS_PER_S.default,
+            kv_capacity_tokens: KV_CAPACITY_TOKENS.default as u64,
+        }
+    }
+
+    /// Checks the bounds of every field.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        PREFILL_TOKENS_PER_S.check(self.prefill_tokens_per_s)?;
+        DECODE_TOKENS_PER_S.check(self.decode_tokens_per_s)?;
+        KV_CAPACITY_TOKENS.check(self.kv_capacity_tokens as f64)?;
+        Ok(())
+    }
+}
+
+impl From<WorkerId> for WorkerConfig {
+    fn from(id: WorkerId) -> Self {
+        WorkerConfig::new(id)
+    }
+}
+
+/// What an operator sees of one worker.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerStatus {
+    /// The worker.
+    pub id: WorkerId,
+    /// Whether decisions may pick it.
+    pub eligible: bool,
+    /// Its KV state (as last set; KV staleness under traffic is evaluated per decision).
+    pub kv_state: crate::index::KvState,
+    /// Blocks it holds in the index.
+    pub blocks_held: usize,
+    /// Reconciled load (latest report plus the ledger).
+    pub waiting_requests: u64,
+    /// Reconciled queued prefill tokens.
+    pub waiting_tokens: u64,
+    /// Reconciled running requests.
+    pub running_requests: u64,
+    /// Reconciled active decode tokens.
+    pub decode_tokens: u64,
+    /// Reconciled KV usage fraction.
+    pub kv_usage: f64,
+    /// Age of the latest load report, if any.
+    pub load_age_ms: Option<u64>,
+    /// Requests this router has in flight on it.
+    pub in_flight: u32,
+    /// The ledger's adjustment on top of the latest report.
+    pub reserved: LoadDelta,
+    /// Effective prefill throughput.
+    pub prefill_tokens_per_s: f64,
+    /// Effective decode throughput.
+    pub decode_tokens_per_s: f64,
+}
+
+#[derive(Debug)]
+pub(crate) struct WorkerState {
+    pub(crate) config: WorkerConfig,
+    pub(crate) prefill: Throughput,
+    pub(crate) decode: Throughput,
+    pub(crate) eligible: bool,
+    pub(crate) snapshot: Option<LoadSnapshot>,
+    pub(crate) ledger: WorkerLedger,
+    pub(crate) routed: u64,
+    /// The earliest dispatch not yet followed by a KV event: if it is old, events went quiet while
+    /// traffic flowed and the worker's KV view is stale.
+    pub(crate) unanswered_dispatch_since: Option<Timestamp>,
+}
+
+fn add_signed(base: u64, delta: i64) -> u64 {
+    (base as i64).saturating_add(delta).max(0) as u64
+}
+
+impl WorkerState {
+    pub(crate) fn new(config: WorkerConfig) -> Self {
+        WorkerState {
+            prefill: Throughput::new(config.prefill_tokens_per_s),
+            decode: Throughput::new(config.decode_tokens_per_s),
+            config,
+            eligible: true,
+            snapshot: None,
+            ledger: WorkerLedger::default(),
+            routed: 0,
+            unanswered_dispatch_since: None,
+        }
+    }
+
+    /// The latest report plus the ledger's adjustment, clamped at zero.
+    pub(crate) fn load(&self) -> WorkerLoad {
+        let s = self.snapshot.unwrap_or_default();
+        let d = self.ledger.delta();
+        let capacity = self.config.kv_capacity_tokens;
+        let reported_kv = (s.kv_usage.clamp(0.0, 1.0) * capacity as f64).round() as u64;
+        WorkerLoad {
+            waiting_requests: add_signed(s.waiting_requests, d.waiting_requests),
+            waiting_tokens: add_signed(s.waiting_tokens, d.waiting_tokens),
+            running_requests: add_signed(s.running_requests, d.running_requests),
+            decode_tokens: add_signed(s.active_decode_tokens, d.decode_tokens),
+            kv_tokens: add_signed(reported_kv, d.kv_tokens),
+            kv_capacity_tokens: capacity,
+            prefill_tps: self.prefill.effective(),
+            decode_tps: self.decode.effective(),
+        }
+    }
+
+    /// Why the load report can't be trusted for cache credit, if it can't.
+    pub(crate) fn load_problem(&self, now: Timestamp, stale_after: Duration) -> Option<FallbackReason> {
+        match &self.snapshot {
+            None => Some(FallbackReason::Missing),
+            Some(s) if now.saturating_since(s.observed_at) > stale_after => Some(FallbackReason::Stale),
+            Some(_) => None,
+        }
+    }
+
+    pub(crate) fn status(&self, now: Timestamp, kv_state: crate::index::KvState, blocks_held: usize) -> WorkerStatus {
+        let load = self.load();
+        WorkerStatus {
+            id: self.config.id.clone(),
+            eligible: self.eligible,
+            kv_state,
+            blocks_held,
+            waiting_requests: load.waiting_requests,
+            waiting_tokens: load.waiting_tokens,
+            running_requests: load.running_requests,
+            decode_tokens: load.decode_tokens,
+            kv_usage: load.kv_tokens as f64 / load.kv_capacity_tokens.max(1) as f64,
+            load_age_ms: self.snapshot.map(|s| now.saturating_since(s.observed_at).as_millis() as u64),
+            in_flight: self.ledger.in_flight(),
+            reserved: self.ledger.delta(),
+            prefill_tokens_per_s: load.prefill_tps,
+            decode_tokens_per_s: load.decode_tps,
+        }
+    }
+}
+
+/// A request the router holds a reservation for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    pub(crate) slot: WorkerSlot,
+    /// The prefix this request is seeding under cap-one distribution seeding, until its first token.
+    pub(crate) seed: Option<BlockKey>,
+}
+
+/// Every worker's state, indexed by slot.
+#[derive(Debug, Default)]
+pub(crate) struct Fleet {
+    pub(crate) workers: Vec<Option<WorkerState>>,
+    pub(crate) by_id: FxHashMap<WorkerId, WorkerSlot>,
+    pub(crate) requests: FxHashMap<RequestId, Held>,
+    /// Seeding requests in flight per prefix (first block key).
+    pub(crate) seeds: FxHashMap<BlockKey, u32>,
+    free_slots: Vec<WorkerSlot>,
+    /// Raw overlap per slot for the decision in progress; kept to avoid an allocation per decision.
+    pub(crate) scratch_overlap: Vec<u32>,
+}
+
+impl Fleet {
+    pub(crate) fn slot_of(&self, id: &WorkerId) -> Result<WorkerSlot, CoreError> {
+        self.by_id.get(id).copied().ok_or_else(|| CoreError::UnknownWorker(id.clone()))
+    }
+
+    pub(crate) fn worker_mut(&mut self, id: &WorkerId) -> Result<&mut WorkerState, CoreError> {
+        let slot = self.slot_of(id)?;
+        Ok(self.workers[slot.index()].as_mut().expect("by_id names live slots"))
+    }
+
+    pub(crate) fn insert(&mut self, config: WorkerConfig) -> Result<WorkerSlot, CoreError> {
+        if self.by_id.contains_key(&config.id) {
+            return Err(CoreError::DuplicateWorker(config.id));
+        }
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.workers.push(None);
+            WorkerSlot(self.workers.len() as u32 - 1)
+        });
+        self.by_id.insert(config.id.clone(), slot);
+        self.workers[slot.index()] = Some(WorkerState::new(config));
+        Ok(slot)
+    }
+
+    /// Removes a worker; returns its slot and the requests that were in flight on it.
+    pub(crate) fn remove(&mut self, id: &WorkerId) -> Result<(WorkerSlot, Vec<RequestId>), CoreError> {
+        let slot = self.slot_of(id)?;
+        let mut state = self.workers[slot.index()].take().expect("by_id names live slots");
+        self.by_id.remove(id);
+        let dropped = state.ledger.drain();
+        for req in &dropped {
+            self.forget_request(*req);
+        }
+        self.free_slots.push(slot);
+        Ok((slot, dropped))
+    }
+
+    pub(crate) fn release_seed(&mut self, seed: Option<BlockKey>) {
+        if let Some(key) = seed {
+            if let Some(n) = self.seeds.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.seeds.remove(&key);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn forget_request(&mut self, id: RequestId) -> Option<Held> {
+        let held = self.requests.remove(&id)?;
+        self.release_seed(held.seed);
+        Some(held)
+    }
+}

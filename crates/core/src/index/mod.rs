@@ -1,0 +1,357 @@
+//! The KV index: which worker holds which prefix, from exact engine events only.
+//!
+//! ```text
+//!  BlockStored{hashes, parent, tokens} ──► per worker: engine hash ──► router BlockKey (refcounted)
+//!                                                                   │
+//!                                          holders: BlockKey ──► sorted [WorkerSlot]
+//!  request keys k0 k1 k2 … ─────────────────────────────────────────┘ walk, narrowing the set
+//! ```
+//!
+//! Every stored block is re-keyed with the router's own chained content hash ([`crate::hashing`]),
+//! starting from the key already mapped to the event's parent hash. Engine hashes stay per worker and
+//! only resolve parents and removals.
+//!
+//! | operation | cost |
+//! |---|---|
+//! | `BlockStored` of b blocks | O(b · (block hash + map insert + holder insert)) |
+//! | `BlockRemoved` of b blocks | O(b · holder remove) |
+//! | `AllBlocksCleared` on w | O(blocks held by w) |
+//! | overlap of a k-key request | O(Σ holders of matched keys), stops at the first key nobody holds |
+//! | memory | O(blocks held, summed over workers) |
+//!
+//! Holder lists are sorted vectors: lookups merge them in one pass and most blocks have few holders.
+
+mod worker_blocks;
+
+use kvgate_protocol::{is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, KvEvent};
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use smallvec::SmallVec;
+
+use crate::hashing::{BlockHasher, Namespace};
+use crate::ids::{BlockKey, WorkerSlot};
+use crate::time::Timestamp;
+pub use worker_blocks::KvState;
+use worker_blocks::WorkerBlocks;
+
+/// Workers holding one block, sorted by slot.
+type Holders = SmallVec<[WorkerSlot; 4]>;
+
+/// Default cap on blocks one worker may hold in the index. A large engine (500k KV tokens at block
+/// size 16) holds about 31k blocks; a worker whose events claim 64 times that is missing removals.
+pub const DEFAULT_MAX_BLOCKS_PER_WORKER: usize = 2 << 20;
+
+/// What applying events did, summed over the events given.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ApplyStats {
+    /// Blocks newly recorded as held.
+    pub blocks_stored: u64,
+    /// Blocks no longer held.
+    pub blocks_removed: u64,
+    /// `AllBlocksCleared` events applied.
+    pub clears: u64,
+    /// Events or blocks skipped on purpose: other media, non-prefix groups, removals of blocks the
+    /// index never held.
+    pub ignored: u64,
+    /// Events dropped because they could not be applied (unknown parent, wrong token count, block
+    /// size mismatch, unknown worker). Each also moves the worker's state away from `synced`.
+    pub dropped: u64,
+}
+
+impl ApplyStats {
+    fn add(&mut self, other: ApplyStats) {
+        self.blocks_stored += other.blocks_stored;
+        self.blocks_removed += other.blocks_removed;
+        self.clears += other.clears;
+        self.ignored += other.ignored;
+        self.dropped += other.dropped;
+    }
+}
+
+/// The fleet-wide prefix index.
+#[derive(Debug)]
+pub struct KvIndex {
+    block_size: u32,
+    max_blocks_per_worker: usize,
+    holders: FxHashMap<BlockKey, Holders>,
+    workers: Vec<Option<WorkerBlocks>>,
+    hasher: BlockHasher,
+}
+
+impl KvIndex {
+    /// An empty index for engines that publish blocks of `block_size` tokens.
+    pub fn new(block_size: u32) -> Self {
+        Self::with_limit(block_size, DEFAULT_MAX_BLOCKS_PER_WORKER)
+    }
+
+    /// An empty index that marks a worker `invalid` (and forgets its blocks) once it claims more than
+    /// `max_blocks_per_worker` blocks.
+    pub fn with_limit(block_size: u32, max_blocks_per_worker: usize) -> Self {
+        KvIndex {
+            block_size,
+            max_blocks_per_worker,
+            holders: FxHashMap::default(),
+            workers: Vec::new(),
+            hasher: BlockHasher::new(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Starts tracking `slot` with the given state. Any blocks a previous occupant of the slot held are
+    /// forgotten first.
+    pub fn add_worker(&mut self, slot: WorkerSlot, state: KvState) {
+        self.remove_worker(slot);
+        if self.workers.len() <= slot.index() {
+            self.workers.resize_with(slot.index() + 1, || None);
+        }
+        self.workers[slot.index()] = Some(WorkerBlocks::new(state));
+    }
+
+    /// Stops tracking `slot` and forgets its blocks.
+    pub fn remove_worker(&mut self, slot: WorkerSlot) {
+        if self.worker(slot).is_some() {
+            self.clear_worker(slot);
+            self.workers[slot.index()] = None;
+        }
+    }
+
+    /// The worker's KV state, or `None` if the slot is not tracked.
+    pub fn state(&self, slot: WorkerSlot) -> Option<&KvState> {
+        self.worker(slot).map(|w| &w.state)
+    }
+
+    /// Overrides the worker's state (the event consumer does this after a gap, a replay or a decode
+    /// failure). Moving to `invalid` also forgets the worker's blocks, since they can't be trusted.
+    pub fn set_state(&mut self, slot: WorkerSlot, state: KvState) {
+        let invalid = matches!(state, KvState::Invalid(_));
+        if invalid {
+            self.clear_worker(slot);
+        }
+        if let Some(w) = self.worker_mut(slot) {
+            w.state = state;
+        }
+    }
+
+    /// When the worker's last event (or heartbeat) arrived.
+    pub fn last_event_at(&self, slot: WorkerSlot) -> Option<Timestamp> {
+        self.worker(slot).and_then(|w| w.last_event_at)
+    }
+
+    /// Records that the worker's event stream is alive without carrying events.
+    pub fn note_alive(&mut self, slot: WorkerSlot, now: Timestamp) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.last_event_at = Some(now);
+        }
+    }
+
+    /// Blocks the worker holds.
+    pub fn blocks_held(&self, slot: WorkerSlot) -> usize {
+        self.worker(slot).map_or(0, |w| w.key_refs.len())
+    }
+
+    /// Distinct blocks held by any worker.
+    pub fn distinct_blocks(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Applies one worker's events in order.
+    pub fn apply_events(&mut self, slot: WorkerSlot, events: &[KvEvent], now: Timestamp) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for event in events {
+            stats.add(self.apply(slot, event, now));
+        }
+        stats
+    }
+
+    /// Applies one event from `slot`'s stream.
+    pub fn apply(&mut self, slot: WorkerSlot, event: &KvEvent, now: Timestamp) -> ApplyStats {
+        let Some(w) = self.worker_mut(slot) else {
+            return ApplyStats { dropped: 1, ..ApplyStats::default() };
+        };
+        w.last_event_at = Some(now);
+        match event {
+            KvEvent::BlockStored(stored) => self.apply_stored(slot, stored),
+            KvEvent::BlockRemoved(removed) => self.apply_removed(slot, removed),
+            KvEvent::AllBlocksCleared => {
+                self.clear_worker(slot);
+                if let Some(w) = self.worker_mut(slot) {
+                    if matches!(w.state, KvState::Incomplete(_) | KvState::Stale(_)) {
+                        w.state = KvState::Synced;
+                    }
+                }
+                ApplyStats { clears: 1, ..ApplyStats::default() }
+            }
+        }
+    }
+
+    fn apply_stored(&mut self, slot: WorkerSlot, ev: &BlockStored) -> ApplyStats {
+        let ignored = ApplyStats { ignored: 1, ..ApplyStats::default() };
+        let dropped = ApplyStats { dropped: 1, ..ApplyStats::default() };
+        if !is_prefix_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref())
+            || !is_accelerator_medium(ev.medium.as_deref())
+        {
+            return ignored;
+        }
+        if ev.block_size != self.block_size {
+            let reason = format!(
+                "engine block_size {} differs from the router's block_size {}",
+                ev.block_size, self.block_size
+            );
+            self.set_state(slot, KvState::Invalid(reason));
+            return dropped;
+        }
+        let block_size = self.block_size as usize;
+        if ev.token_ids.len() != block_size * ev.block_hashes.len() {
+            let reason = format!(
+                "BlockStored carries {} tokens for {} blocks of {}",
+                ev.token_ids.len(),
+                ev.block_hashes.len(),
+                block_size
+            );
+            self.mark_incomplete(slot, reason);
+            return dropped;
+        }
+        let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+        let mut key = match ev.parent_block_hash {
+            None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
+            Some(parent) => match worker.engine_to_key.get(&parent) {
+                Some(key) => *key,
+                None => {
+                    let reason = format!("BlockStored names unknown parent block {:#018x}", parent.0);
+                    self.mark_incomplete(slot, reason);
+                    return dropped;
+                }
+            },
+        };
+        let mut stats = ApplyStats::default();
+        for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
+            key = self.hasher.block_key(key, tokens);
+            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+            if worker.key_refs.len() >= self.max_blocks_per_worker && !worker.key_refs.contains_key(&key) {
+                let reason = format!(
+                    "worker claims more than {} blocks; its stream is missing removals",
+                    self.max_blocks_per_worker
+                );
+                self.set_state(slot, KvState::Invalid(reason));
+                stats.dropped += 1;
+                return stats;
+            }
+            let outcome = worker.map_engine_hash(*hash, key);
+            if let Some(old) = outcome.released {
+                remove_holder(&mut self.holders, old, slot);
+            }
+            if outcome.newly_held {
+                insert_holder(self.holders.entry(key).or_default(), slot);
+                stats.blocks_stored += 1;
+            }
+        }
+        stats
+    }
+
+    fn apply_removed(&mut self, slot: WorkerSlot, ev: &BlockRemoved) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        if !is_prefix_group(ev.group_idx, None) || !is_accelerator_medium(ev.medium.as_deref()) {
+            stats.ignored += 1;
+            return stats;
+        }
+        for hash in &ev.block_hashes {
+            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+            match worker.unmap_engine_hash(*hash) {
+                Some((key, true)) => {
+                    remove_holder(&mut self.holders, key, slot);
+                    stats.blocks_removed += 1;
+                }
+                Some((_, false)) => {}
+                None => stats.ignored += 1,
+            }
+        }
+        stats
+    }
+
+    fn mark_incomplete(&mut self, slot: WorkerSlot, reason: String) {
+        if let Some(w) = self.worker_mut(slot) {
+            if !matches!(w.state, KvState::Invalid(_)) {
+                w.state = KvState::Incomplete(reason);
+            }
+        }
+    }
+
+    /// Forgets every block the worker holds, keeping its state.
+    pub fn clear_worker(&mut self, slot: WorkerSlot) {
+        let Some(w) = self.worker_mut(slot) else { return };
+        let keys: Vec<BlockKey> = w.take_all();
+        for key in keys {
+            remove_holder(&mut self.holders, key, slot);
+        }
+    }
+
+    /// For each worker holding a prefix of `keys`, how many leading keys it holds, whatever its state.
+    /// Workers holding none are not listed. `out` is cleared first.
+    pub fn overlaps(&self, keys: &[BlockKey], out: &mut Vec<(WorkerSlot, u32)>) {
+        out.clear();
+        let Some((first, rest)) = keys.split_first() else { return };
+        let Some(first_holders) = self.holders.get(first) else { return };
+        let mut alive: SmallVec<[WorkerSlot; 32]> = first_holders.iter().copied().collect();
+        let mut depth = 1u32;
+        for key in rest {
+            let Some(next) = self.holders.get(key) else { break };
+            let mut kept = 0;
+            let mut j = 0;
+            for i in 0..alive.len() {
+                let slot = alive[i];
+                while j < next.len() && next[j] < slot {
+                    j += 1;
+                }
+                if j < next.len() && next[j] == slot {
+                    alive[kept] = slot;
+                    kept += 1;
+                } else {
+                    out.push((slot, depth));
+                }
+            }
+            alive.truncate(kept);
+            if alive.is_empty() {
+                return;
+            }
+            depth += 1;
+        }
+        out.extend(alive.iter().map(|&slot| (slot, depth)));
+    }
+
+    /// Whether `slot` holds block `key`.
+    pub fn holds(&self, slot: WorkerSlot, key: BlockKey) -> bool {
+        self.holders.get(&key).is_some_and(|h| h.binary_search(&slot).is_ok())
+    }
+
+    fn worker(&self, slot: WorkerSlot) -> Option<&WorkerBlocks> {
+        self.workers.get(slot.index()).and_then(Option::as_ref)
+    }
+
+    fn worker_mut(&mut self, slot: WorkerSlot) -> Option<&mut WorkerBlocks> {
+        self.workers.get_mut(slot.index()).and_then(Option::as_mut)
+    }
+}
+
+fn insert_holder(holders: &mut Holders, slot: WorkerSlot) {
+    if let Err(pos) = holders.binary_search(&slot) {
+        holders.insert(pos, slot);
+    }
+}
+
+fn remove_holder(all: &mut FxHashMap<BlockKey, Holders>, key: BlockKey, slot: WorkerSlot) {
+    if let Some(holders) = all.get_mut(&key) {
+        if let Ok(pos) = holders.binary_search(&slot) {
+            holders.remove(pos);
+        }
+        if holders.is_empty() {
+            all.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,389 @@
+//! Routing policies and their knobs.
+//!
+//! - [`least_load`]: the projected formula with no cache credit (today's behaviour; mode `off`).
+//! - [`projected`]: cache and load in projected seconds, with the KV-pressure barrier and the hard
+//!   escape to the load-only winner.
+//! - [`cache_aware`]: the SMG event-driven cache-aware baseline, optionally with cap-one distribution
+//!   seeding. Seeding lives only here: the projected policy never seeds.
+//!
+//! Every knob has documented bounds ([`KNOBS`]); [`PolicyConfig::validate`] rejects values outside
+//! them with a message that names the knob and its range.
+
+pub mod cache_aware;
+pub mod least_load;
+pub mod projected;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CoreError;
+
+/// Which policy decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    /// Projected seconds without cache credit.
+    LeastLoad,
+    /// Projected seconds with cache credit from exact KV events.
+    Projected,
+    /// SMG's event-driven cache-aware rule (a baseline).
+    CacheAware,
+}
+
+impl PolicyName {
+    /// The name as configured.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::LeastLoad => "least_load",
+            PolicyName::Projected => "projected",
+            PolicyName::CacheAware => "cache_aware",
+        }
+    }
+
+    /// The mode a policy runs in when none is configured.
+    pub fn default_mode(self) -> Mode {
+        match self {
+            PolicyName::LeastLoad => Mode::Off,
+            PolicyName::Projected | PolicyName::CacheAware => Mode::Enforce,
+        }
+    }
+}
+
+impl fmt::Display for PolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PolicyName {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        match s {
+            "least_load" => Ok(PolicyName::LeastLoad),
+            "projected" => Ok(PolicyName::Projected),
+            "cache_aware" => Ok(PolicyName::CacheAware),
+            other => Err(CoreError::InvalidPolicy(format!(
+                "unknown policy {other:?}: expected one of least_load, projected, cache_aware"
+            ))),
+        }
+    }
+}
+
+/// How the projected policy is rolled out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Dispatch exactly as `least_load`.
+    Off,
+    /// Dispatch as `off`, and compute and record what `enforce` would have chosen.
+    Shadow,
+    /// Dispatch the projected decision, with the hard escape to the load-only winner.
+    Enforce,
+}
+
+impl Mode {
+    /// The mode as configured.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Off => "off",
+            Mode::Shadow => "shadow",
+            Mode::Enforce => "enforce",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        match s {
+            "off" => Ok(Mode::Off),
+            "shadow" => Ok(Mode::Shadow),
+            "enforce" => Ok(Mode::Enforce),
+            other => Err(CoreError::InvalidPolicy(format!(
+                "unknown mode {other:?}: expected one of off, shadow, enforce"
+            ))),
+        }
+    }
+}
+
+/// One tunable number, its bounds and its default, for validation and documentation.
+#[derive(Debug, Clone, Copy)]
+pub struct Knob {
+    /// The knob's configuration name.
+    pub name: &'static str,
+    /// Smallest accepted value.
+    pub min: f64,
+    /// Largest accepted value.
+    pub max: f64,
+    /// The default.
+    pub default: f64,
+    /// What it does.
+    pub meaning: &'static str,
+}
+
+impl Knob {
+    /// Checks `value` against the bounds.
+    pub fn check(&self, value: f64) -> Result<f64, CoreError> {
+        if value.is_finite() && value >= self.min && value <= self.max {
+            Ok(value)
+        } else {
+            Err(CoreError::KnobOutOfRange {
+                knob: self.name,
+                value: format!("{value}"),
+                range: format!("a number from {} to {}", self.min, self.max),
+            })
+        }
+    }
+}
+
+/// Seconds by which the cache winner's queue (wait + decode) may exceed the load-only winner's.
+pub const ESCAPE_SECONDS: Knob = Knob {
+    name: "escape_seconds",
+    min: 0.0,
+    max: 3600.0,
+    default: 5.0,
+    meaning: "enforce falls back to the load-only winner when the cache winner's queue (wait + decode) exceeds it by more than this many seconds",
+};
+/// Waiting requests by which the cache winner may exceed the load-only winner.
+pub const ESCAPE_WAITING: Knob = Knob {
+    name: "escape_waiting",
+    min: 0.0,
+    max: 1_000_000.0,
+    default: 64.0,
+    meaning: "enforce falls back to the load-only winner when the cache winner has more than this many waiting requests beyond it",
+};
+/// Age after which a load snapshot is stale.
+pub const STALE_AFTER_MS: Knob = Knob {
+    name: "stale_after_ms",
+    min: 10.0,
+    max: 3_600_000.0,
+    default: 5000.0,
+    meaning: "a load snapshot older than this is stale: the worker keeps load-only scoring but earns no cache credit",
+};
+/// Silence after a dispatch after which a worker's KV events are stale.
+pub const KV_STALE_AFTER_MS: Knob = Knob {
+    name: "kv_stale_after_ms",
+    min: 100.0,
+    max: 3_600_000.0,
+    default: 30_000.0,
+    meaning: "a worker that has had traffic but no KV event or heartbeat for this long is `stale` and earns no cache credit",
+};
+/// KV usage above which the pressure barrier applies.
+pub const KV_BARRIER_THRESHOLD: Knob = Knob {
+    name: "kv_barrier_threshold",
+    min: 0.5,
+    max: 1.0,
+    default: 0.9,
+    meaning: "projected KV usage (with this request) above which the pressure barrier adds seconds",
+};
+/// Scale of the pressure barrier.
+pub const KV_BARRIER_SCALE_S: Knob = Knob {
+    name: "kv_barrier_scale_s",
+    min: 0.0,
+    max: 600.0,
+    default: 2.0,
+    meaning: "barrier seconds = scale × (usage − threshold) / (1 − usage); a full cache costs KV_BARRIER_MAX_S",
+};
+/// SMG cache_aware absolute balance gate.
+pub const BALANCE_ABS: Knob = Knob {
+    name: "balance_abs",
+    min: 0.0,
+    max: 1_000_000.0,
+    default: 64.0,
+    meaning: "cache_aware: the affinity pick is overridden when its load exceeds the mean by this many requests (and by balance_rel)",
+};
+/// SMG cache_aware relative balance gate.
+pub const BALANCE_REL: Knob = Knob {
+    name: "balance_rel",
+    min: 1.0,
+    max: 1000.0,
+    default: 1.5,
+    meaning: "cache_aware: the affinity pick is overridden when its load exceeds the mean times this (and by balance_abs)",
+};
+
+/// Every policy knob, for documentation and `--help` texts.
+pub const KNOBS: &[Knob] = &[
+    ESCAPE_SECONDS,
+    ESCAPE_WAITING,
+    STALE_AFTER_MS,
+    KV_STALE_AFTER_MS,
+    KV_BARRIER_THRESHOLD,
+    KV_BARRIER_SCALE_S,
+    BALANCE_ABS,
+    BALANCE_REL,
+];
+
+/// Barrier seconds for a projected KV usage of 100% or more: large enough to lose to any worker
+/// with room, finite so that a fleet that is full everywhere still ranks by load.
+pub const KV_BARRIER_MAX_S: f64 = 3600.0;
+
+/// The policy and its knobs, validated as a whole.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    /// Which policy decides.
+    pub name: PolicyName,
+    /// Rollout mode (projected: off/shadow/enforce; least_load is always off; cache_aware enforce).
+    pub mode: Mode,
+    /// See [`ESCAPE_SECONDS`].
+    pub escape_seconds: f64,
+    /// See [`ESCAPE_WAITING`].
+    pub escape_waiting: u64,
+    /// See [`STALE_AFTER_MS`].
+    pub stale_after_ms: u64,
+    /// See [`KV_STALE_AFTER_MS`].
+    pub kv_stale_after_ms: u64,
+    /// See [`KV_BARRIER_THRESHOLD`].
+    pub kv_barrier_threshold: f64,
+    /// See [`KV_BARRIER_SCALE_S`].
+    pub kv_barrier_scale_s: f64,
+    /// See [`BALANCE_ABS`].
+    pub balance_abs: u64,
+    /// See [`BALANCE_REL`].
+    pub balance_rel: f64,
+    /// cache_aware only: cap-one distribution seeding (see [`cache_aware`]).
+    pub distribution_seeding: bool,
+}
+
+impl PolicyConfig {
+    /// The defaults for `name`, in its default mode.
+    pub fn new(name: PolicyName) -> Self {
+        PolicyConfig {
+            name,
+            mode: name.default_mode(),
+            escape_seconds: ESCAPE_SECONDS.default,
+            escape_waiting: ESCAPE_WAITING.default as u64,
+            stale_after_ms: STALE_AFTER_MS.default as u64,
+            kv_stale_after_ms: KV_STALE_AFTER_MS.default as u64,
+            kv_barrier_threshold: KV_BARRIER_THRESHOLD.default,
+            kv_barrier_scale_s: KV_BARRIER_SCALE_S.default,
+            balance_abs: BALANCE_ABS.default as u64,
+            balance_rel: BALANCE_REL.default,
+            distribution_seeding: false,
+        }
+    }
+
+    /// The projected policy in `mode`.
+    pub fn projected(mode: Mode) -> Self {
+        PolicyConfig { mode, ..PolicyConfig::new(PolicyName::Projected) }
+    }
+
+    /// Checks every knob's bounds and the combination of settings.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        ESCAPE_SECONDS.check(self.escape_seconds)?;
+        ESCAPE_WAITING.check(self.escape_waiting as f64)?;
+        STALE_AFTER_MS.check(self.stale_after_ms as f64)?;
+        KV_STALE_AFTER_MS.check(self.kv_stale_after_ms as f64)?;
+        KV_BARRIER_THRESHOLD.check(self.kv_barrier_threshold)?;
+        KV_BARRIER_SCALE_S.check(self.kv_barrier_scale_s)?;
+        BALANCE_ABS.check(self.balance_abs as f64)?;
+        BALANCE_REL.check(self.balance_rel)?;
+        if self.distribution_seeding && self.name != PolicyName::CacheAware {
+            return Err(CoreError::InvalidPolicy(format!(
+                "distribution_seeding belongs to the cache_aware policy and cannot be combined with {}: \
+                 the projected policy never seeds, hot prefixes gain owners through ordinary misses",
+                self.name
+            )));
+        }
+        match (self.name, self.mode) {
+            (PolicyName::Projected, _) => Ok(()),
+            (PolicyName::LeastLoad, Mode::Off) => Ok(()),
+            (PolicyName::CacheAware, Mode::Enforce) => Ok(()),
+            (name, mode) => Err(CoreError::InvalidPolicy(format!(
+                "mode {mode} applies to the projected policy; {name} always runs in mode {}",
+                name.default_mode()
+            ))),
+        }
+    }
+
+    /// Load snapshots older than this are stale.
+    pub fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.stale_after_ms)
+    }
+
+    /// Workers silent this long after traffic have stale KV state.
+    pub fn kv_stale_after(&self) -> Duration {
+        Duration::from_millis(self.kv_stale_after_ms)
+    }
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::projected(Mode::Enforce)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_range_knob_is_named_with_its_range() {
+        let cfg = PolicyConfig { escape_seconds: -1.0, ..PolicyConfig::default() };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("escape_seconds"), "{err}");
+        assert!(err.contains("0 to 3600"), "{err}");
+        let cfg = PolicyConfig { kv_barrier_threshold: 1.5, ..PolicyConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("kv_barrier_threshold"));
+        let cfg = PolicyConfig { escape_seconds: f64::NAN, ..PolicyConfig::default() };
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn distribution_seeding_is_rejected_for_projected_and_accepted_for_cache_aware() {
+        let projected = PolicyConfig { distribution_seeding: true, ..PolicyConfig::default() };
+        let err = projected.validate().unwrap_err().to_string();
+        assert!(err.contains("distribution_seeding"), "{err}");
+        assert!(err.contains("projected"), "{err}");
+        let cache_aware =
+            PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
+        cache_aware.validate().unwrap();
+    }
+
+    #[test]
+    fn modes_other_than_the_policy_own_are_rejected_outside_projected() {
+        let ll = PolicyConfig { mode: Mode::Enforce, ..PolicyConfig::new(PolicyName::LeastLoad) };
+        assert!(ll.validate().unwrap_err().to_string().contains("always runs in mode off"));
+        for mode in [Mode::Off, Mode::Shadow, Mode::Enforce] {
+            PolicyConfig::projected(mode).validate().unwrap();
+        }
+    }
+}
+
+/// Index of the smallest `key(i)` for `i < n`. Exact ties (within floating-point noise) are broken
+/// by `draw`, uniformly over the tied indices, so that the caller's seeded RNG decides and replicas
+/// with different seeds spread instead of all picking the first idle worker.
+pub(crate) fn argmin(n: usize, key: impl Fn(usize) -> f64, draw: u64) -> Option<usize> {
+    let min = (0..n).map(&key).fold(f64::INFINITY, f64::min);
+    if n == 0 {
+        return None;
+    }
+    let tolerance = 1e-9 * min.abs().max(1.0);
+    let tied = |i: &usize| key(*i) - min <= tolerance;
+    let count = (0..n).filter(tied).count().max(1);
+    (0..n).filter(tied).nth((draw % count as u64) as usize).or(Some(0))
+}
+
+#[cfg(test)]
+mod argmin_tests {
+    use super::argmin;
+
+    #[test]
+    fn ties_are_broken_by_the_draw_and_the_minimum_always_wins() {
+        let keys = [3.0, 1.0, 2.0, 1.0];
+        assert_eq!(argmin(4, |i| keys[i], 0), Some(1));
+        assert_eq!(argmin(4, |i| keys[i], 1), Some(3));
+        assert_eq!(argmin(4, |i| keys[i], 2), Some(1));
+        assert_eq!(argmin(0, |i| keys[i], 0), None);
+    }
+}

@@ -1,0 +1,161 @@
+//! The projected-time policy: seconds until the request's prefill would end on each worker.
+//!
+//! ```text
+//! wait_s    = (waiting_tokens + reserved prefill tokens) / prefill_tps
+//! decode_s  = active decode tokens (reported + reserved) / decode_tps
+//! prefill_s = (prompt − cached prefix) / prefill_tps
+//! barrier_s = f(projected KV usage with this request)      0 below the threshold, steep above
+//! projected = wait_s + decode_s + prefill_s + barrier_s
+//! ```
+//!
+//! The cached owner wins only while the prefill it saves outweighs its queue. In `enforce`, the hard
+//! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
+//! or waiting count exceeds the load-only winner's by more than `escape_seconds` / `escape_waiting`.
+
+use crate::policy::{PolicyConfig, KV_BARRIER_MAX_S};
+
+/// What the scorer needs to know about one eligible worker, load already reconciled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerLoad {
+    /// Waiting requests, reported plus reserved.
+    pub waiting_requests: u64,
+    /// Queued prefill tokens, reported plus reserved.
+    pub waiting_tokens: u64,
+    /// Running requests, reported plus reserved.
+    pub running_requests: u64,
+    /// Active decode tokens, reported plus reserved.
+    pub decode_tokens: u64,
+    /// KV tokens in use, reported plus reserved.
+    pub kv_tokens: u64,
+    /// KV capacity in tokens.
+    pub kv_capacity_tokens: u64,
+    /// Effective prefill throughput, tokens per second.
+    pub prefill_tps: f64,
+    /// Effective decode throughput, tokens per second.
+    pub decode_tps: f64,
+}
+
+/// The terms of one worker for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Terms {
+    /// Queued prefill seconds.
+    pub wait_s: f64,
+    /// Active decode seconds.
+    pub decode_s: f64,
+    /// Uncached prefill seconds with cache credit.
+    pub prefill_s: f64,
+    /// Barrier seconds with cache credit.
+    pub barrier_s: f64,
+    /// The projected score with cache credit.
+    pub projected_s: f64,
+    /// The score with no cache credit (least_load).
+    pub load_only_s: f64,
+}
+
+impl Terms {
+    /// The queueing part the escape compares: wait plus decode.
+    pub fn queue_s(&self) -> f64 {
+        self.wait_s + self.decode_s
+    }
+}
+
+/// The KV-pressure barrier for a projected usage fraction.
+pub fn kv_barrier_s(usage: f64, cfg: &PolicyConfig) -> f64 {
+    if usage <= cfg.kv_barrier_threshold {
+        0.0
+    } else if usage >= 1.0 {
+        KV_BARRIER_MAX_S
+    } else {
+        (cfg.kv_barrier_scale_s * (usage - cfg.kv_barrier_threshold) / (1.0 - usage)).min(KV_BARRIER_MAX_S)
+    }
+}
+
+/// Scores one worker for a request of `prompt_tokens` (of which `cached_tokens` are credited) that
+/// may decode `max_tokens`.
+pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_tokens: u64, cfg: &PolicyConfig) -> Terms {
+    let cached = cached_tokens.min(prompt_tokens);
+    let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
+    let decode_s = load.decode_tokens as f64 / load.decode_tps;
+    let usage = |new_tokens: u64| {
+        (load.kv_tokens + new_tokens + max_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64
+    };
+    let prefill_s = (prompt_tokens - cached) as f64 / load.prefill_tps;
+    let barrier_s = kv_barrier_s(usage(prompt_tokens - cached), cfg);
+    let full_prefill_s = prompt_tokens as f64 / load.prefill_tps;
+    let full_barrier_s = kv_barrier_s(usage(prompt_tokens), cfg);
+    Terms {
+        wait_s,
+        decode_s,
+        prefill_s,
+        barrier_s,
+        projected_s: wait_s + decode_s + prefill_s + barrier_s,
+        load_only_s: wait_s + decode_s + full_prefill_s + full_barrier_s,
+    }
+}
+
+/// Whether `enforce` must leave the cache winner for the load-only winner.
+pub fn escape_fires(
+    cache_winner: (&Terms, &WorkerLoad),
+    load_winner: (&Terms, &WorkerLoad),
+    cfg: &PolicyConfig,
+) -> bool {
+    let (ct, cl) = cache_winner;
+    let (lt, ll) = load_winner;
+    ct.queue_s() - lt.queue_s() > cfg.escape_seconds
+        || cl.waiting_requests.saturating_sub(ll.waiting_requests) > cfg.escape_waiting
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Mode;
+
+    fn idle() -> WorkerLoad {
+        WorkerLoad {
+            waiting_requests: 0,
+            waiting_tokens: 0,
+            running_requests: 0,
+            decode_tokens: 0,
+            kv_tokens: 0,
+            kv_capacity_tokens: 500_000,
+            prefill_tps: 20_000.0,
+            decode_tps: 2_000.0,
+        }
+    }
+
+    #[test]
+    fn terms_follow_the_formula() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        let load = WorkerLoad { waiting_tokens: 40_000, decode_tokens: 4_000, ..idle() };
+        let t = score(&load, 10_000, 8_000, 100, &cfg);
+        assert_eq!(t.wait_s, 2.0);
+        assert_eq!(t.decode_s, 2.0);
+        assert_eq!(t.prefill_s, 0.1);
+        assert_eq!(t.barrier_s, 0.0);
+        assert!((t.projected_s - 4.1).abs() < 1e-12);
+        assert!((t.load_only_s - 4.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn barrier_is_zero_below_threshold_and_steep_above() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        assert_eq!(kv_barrier_s(0.5, &cfg), 0.0);
+        assert_eq!(kv_barrier_s(0.9, &cfg), 0.0);
+        let b95 = kv_barrier_s(0.95, &cfg);
+        let b99 = kv_barrier_s(0.99, &cfg);
+        assert!(b95 > 0.0 && b99 > 5.0 * b95, "{b95} {b99}");
+        assert_eq!(kv_barrier_s(1.2, &cfg), KV_BARRIER_MAX_S);
+    }
+
+    #[test]
+    fn escape_compares_queue_seconds_and_waiting_counts() {
+        let cfg = PolicyConfig { escape_seconds: 1.0, escape_waiting: 3, ..PolicyConfig::default() };
+        let busy = WorkerLoad { waiting_requests: 2, waiting_tokens: 30_000, ..idle() };
+        let (tb, ti) = (score(&busy, 100, 100, 0, &cfg), score(&idle(), 100, 0, 0, &cfg));
+        assert!(escape_fires((&tb, &busy), (&ti, &idle()), &cfg));
+        let crowded = WorkerLoad { waiting_requests: 10, ..idle() };
+        let tc = score(&crowded, 100, 100, 0, &cfg);
+        assert!(escape_fires((&tc, &crowded), (&ti, &idle()), &cfg));
+        assert!(!escape_fires((&ti, &idle()), (&ti, &idle()), &cfg));
+    }
+}

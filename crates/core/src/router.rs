@@ -1,0 +1,440 @@
+//! The router: one object the gateway, the simulator and the tests share.
+//!
+//! A decision and the reservation of its work happen under one lock, so N simultaneous identical
+//! requests see each other's reservations and spread. Lock order is always fleet, then index; event
+//! application takes only the index lock.
+
+use kvgate_protocol::KvEvent;
+use parking_lot::{Mutex, RwLock};
+use rand::RngCore;
+
+use crate::decision::{Decision, FallbackReason, Reason, ScoreTerms, MAX_SCORES};
+use crate::error::CoreError;
+use crate::fleet::{Fleet, Held, WorkerConfig, WorkerStatus};
+use crate::hashing::{BlockHasher, Namespace};
+use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
+use crate::index::{ApplyStats, KvIndex, KvState};
+use crate::ledger::Work;
+use crate::load::LoadSnapshot;
+use crate::policy::projected::{self, Terms, WorkerLoad};
+use crate::policy::{cache_aware, least_load, Mode, PolicyConfig, PolicyName};
+use crate::time::Timestamp;
+
+/// Bounds of the fleet's block size, in tokens.
+pub const BLOCK_SIZE: crate::policy::Knob = crate::policy::Knob {
+    name: "block_size",
+    min: 1.0,
+    max: 4096.0,
+    default: 16.0,
+    meaning: "tokens per KV block; must equal the engines' (vLLM block_size, SGLang page_size)",
+};
+
+/// A request to route.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// The caller's id for the request; reservations are released by it.
+    pub id: RequestId,
+    /// The prompt's chained block keys ([`Router::request_keys`]).
+    pub keys: &'a [BlockKey],
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Tokens the request may generate.
+    pub max_tokens: u64,
+}
+
+/// Why no decision was made. These are expected outcomes, not faults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecideError {
+    /// No registered worker is eligible.
+    NoEligibleWorker,
+    /// The request id already holds a reservation.
+    DuplicateRequest(RequestId),
+}
+
+impl std::fmt::Display for DecideError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecideError::NoEligibleWorker => f.write_str("no eligible worker"),
+            DecideError::DuplicateRequest(id) => write!(f, "request {id} already holds a reservation"),
+        }
+    }
+}
+
+/// One eligible worker during a decision.
+struct Scored {
+    slot: WorkerSlot,
+    load: WorkerLoad,
+    terms: Terms,
+    cached_tokens: u64,
+    raw_blocks: u32,
+    withheld: Option<FallbackReason>,
+    load_problem: Option<FallbackReason>,
+}
+
+/// The routing core.
+#[derive(Debug)]
+pub struct Router {
+    block_size: u32,
+    policy: RwLock<PolicyConfig>,
+    index: RwLock<KvIndex>,
+    fleet: Mutex<Fleet>,
+}
+
+impl Router {
+    /// A router for engines with blocks of `block_size` tokens.
+    pub fn new(block_size: u32, policy: PolicyConfig) -> Result<Self, CoreError> {
+        Self::with_index(KvIndex::new(block_size.max(1)), policy)
+    }
+
+    /// A router around an existing (empty) index, for custom index limits.
+    pub fn with_index(index: KvIndex, policy: PolicyConfig) -> Result<Self, CoreError> {
+        BLOCK_SIZE.check(index.block_size() as f64)?;
+        policy.validate()?;
+        Ok(Router {
+            block_size: index.block_size(),
+            policy: RwLock::new(policy),
+            index: RwLock::new(index),
+            fleet: Mutex::new(Fleet::default()),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The current policy.
+    pub fn policy(&self) -> PolicyConfig {
+        self.policy.read().clone()
+    }
+
+    /// Replaces the policy after validating it; the old one stays on error.
+    pub fn set_policy(&self, policy: PolicyConfig) -> Result<(), CoreError> {
+        policy.validate()?;
+        *self.policy.write() = policy;
+        Ok(())
+    }
+
+    /// Registers a worker with the given initial KV state.
+    pub fn add_worker(&self, config: WorkerConfig, kv_state: KvState) -> Result<WorkerSlot, CoreError> {
+        config.validate()?;
+        let mut fleet = self.fleet.lock();
+        let slot = fleet.insert(config)?;
+        self.index.write().add_worker(slot, kv_state);
+        Ok(slot)
+    }
+
+    /// Removes a worker, its blocks and its reservations. Returns the requests that were in flight on
+    /// it (their reservations are gone; later calls for them report `UnknownRequest`).
+    pub fn remove_worker(&self, id: &WorkerId) -> Result<Vec<RequestId>, CoreError> {
+        let mut fleet = self.fleet.lock();
+        let (slot, dropped) = fleet.remove(id)?;
+        self.index.write().remove_worker(slot);
+        Ok(dropped)
+    }
+
+    /// Marks a worker eligible or not (health checks, circuit breaking, draining).
+    pub fn set_eligible(&self, id: &WorkerId, eligible: bool) -> Result<(), CoreError> {
+        self.fleet.lock().worker_mut(id)?.eligible = eligible;
+        Ok(())
+    }
+
+    /// Records a load report. Reports older than the one held are ignored.
+    pub fn update_load(&self, id: &WorkerId, snapshot: LoadSnapshot) -> Result<(), CoreError> {
+        let mut fleet = self.fleet.lock();
+        let worker = fleet.worker_mut(id)?;
+        if worker.ledger.on_snapshot(snapshot.observed_at) {
+            worker.snapshot = Some(snapshot);
+        }
+        Ok(())
+    }
+
+    /// Folds an observed prefill rate into the worker's estimate.
+    pub fn observe_prefill_rate(&self, id: &WorkerId, tokens: f64, seconds: f64) -> Result<(), CoreError> {
+        self.fleet.lock().worker_mut(id)?.prefill.observe(tokens, seconds);
+        Ok(())
+    }
+
+    /// Folds an observed decode rate into the worker's estimate.
+    pub fn observe_decode_rate(&self, id: &WorkerId, tokens: f64, seconds: f64) -> Result<(), CoreError> {
+        self.fleet.lock().worker_mut(id)?.decode.observe(tokens, seconds);
+        Ok(())
+    }
+
+    /// Applies decoded KV events from one worker's stream.
+    pub fn apply_kv_events(&self, id: &WorkerId, events: &[KvEvent], now: Timestamp) -> Result<ApplyStats, CoreError> {
+        let slot = self.fleet.lock().slot_of(id)?;
+        Ok(self.index.write().apply_events(slot, events, now))
+    }
+
+    /// Sets a worker's KV state (the event consumer's verdict after gaps, replays or decode errors).
+    pub fn set_kv_state(&self, id: &WorkerId, state: KvState) -> Result<(), CoreError> {
+        let fleet = self.fleet.lock();
+        let slot = fleet.slot_of(id)?;
+        self.index.write().set_state(slot, state);
+        Ok(())
+    }
+
+    /// What an operator sees of one worker.
+    pub fn worker_status(&self, id: &WorkerId, now: Timestamp) -> Result<WorkerStatus, CoreError> {
+        let fleet = self.fleet.lock();
+        let slot = fleet.slot_of(id)?;
+        let index = self.index.read();
+        let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
+        Ok(fleet.workers[slot.index()].as_ref().expect("live slot").status(now, state, index.blocks_held(slot)))
+    }
+
+    /// Every worker's status, in registration-slot order.
+    pub fn workers(&self, now: Timestamp) -> Vec<WorkerStatus> {
+        let fleet = self.fleet.lock();
+        let index = self.index.read();
+        fleet
+            .workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| {
+                let slot = WorkerSlot(i as u32);
+                let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
+                w.as_ref().map(|w| w.status(now, state, index.blocks_held(slot)))
+            })
+            .collect()
+    }
+
+    /// Requests holding reservations.
+    pub fn in_flight(&self) -> usize {
+        self.fleet.lock().requests.len()
+    }
+
+    /// The chained block keys of a prompt, with this router's block size.
+    pub fn request_keys(&self, namespace: Namespace, tokens: &[u32]) -> Vec<BlockKey> {
+        BlockHasher::new().prompt_keys(namespace, tokens, self.block_size as usize)
+    }
+
+    /// Moves a request's reservation from prefill to decode.
+    pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
+        let mut fleet = self.fleet.lock();
+        let held = *fleet.requests.get(&id).ok_or(CoreError::UnknownRequest(id))?;
+        if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
+            w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
+        }
+        if held.seed.is_some() {
+            fleet.release_seed(held.seed);
+            fleet.requests.insert(id, Held { seed: None, ..held });
+        }
+        Ok(())
+    }
+
+    /// Releases a request's reservation: it finished, failed or its client went away.
+    pub fn release(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
+        let mut fleet = self.fleet.lock();
+        let held = fleet.forget_request(id).ok_or(CoreError::UnknownRequest(id))?;
+        if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
+            w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
+        }
+        Ok(())
+    }
+
+    /// Decides where `req` goes and reserves its work there, atomically.
+    pub fn decide<R: RngCore + ?Sized>(&self, req: &RouteRequest<'_>, now: Timestamp, rng: &mut R) -> Result<Decision, DecideError> {
+        let draw = rng.next_u64();
+        let cfg = self.policy.read().clone();
+        let mut guard = self.fleet.lock();
+        let fleet = &mut *guard;
+        if fleet.requests.contains_key(&req.id) {
+            return Err(DecideError::DuplicateRequest(req.id));
+        }
+        let scored = self.score_all(fleet, req, now, &cfg);
+        let load_winner = least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
+            .ok_or(DecideError::NoEligibleWorker)?;
+
+        let mut seed = None;
+        let (chosen, reason, enforce) = match cfg.name {
+            PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),
+            PolicyName::Projected => {
+                let (enforce_choice, enforce_reason) = projected_choice(&scored, load_winner, draw, &cfg);
+                match cfg.mode {
+                    Mode::Off => (load_winner, Reason::LoadOnly, None),
+                    Mode::Shadow => (load_winner, Reason::Shadow, Some(enforce_choice)),
+                    Mode::Enforce => (enforce_choice, enforce_reason, Some(enforce_choice)),
+                }
+            }
+            PolicyName::CacheAware => {
+                let (choice, reason, seeded) = cache_aware_choice(fleet, &scored, req, draw, &cfg);
+                seed = seeded;
+                (choice, reason, Some(choice))
+            }
+        };
+
+        let winner = &scored[chosen];
+        let prefill_tokens = req.prompt_tokens - winner.cached_tokens;
+        let work = Work {
+            prefill_tokens,
+            decode_tokens: req.max_tokens,
+            kv_tokens: prefill_tokens + req.max_tokens,
+        };
+        let last_event_at = self.index.read().last_event_at(winner.slot);
+        let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
+        state.ledger.reserve(req.id, work, now);
+        state.routed += 1;
+        let answered = match (state.unanswered_dispatch_since, last_event_at) {
+            (None, _) => true,
+            (Some(since), Some(event)) => event >= since,
+            (Some(_), None) => false,
+        };
+        if answered {
+            state.unanswered_dispatch_since = Some(now);
+        }
+        if let Some(key) = seed {
+            *fleet.seeds.entry(key).or_insert(0) += 1;
+        }
+        fleet.requests.insert(req.id, Held { slot: winner.slot, seed });
+
+        let id_of = |i: usize| fleet.workers[scored[i].slot.index()].as_ref().expect("live").config.id.clone();
+        Ok(Decision {
+            request: req.id,
+            policy: cfg.name,
+            mode: cfg.mode,
+            worker: id_of(chosen),
+            reason,
+            load_only_worker: id_of(load_winner),
+            enforce_worker: enforce.map(id_of),
+            prompt_tokens: req.prompt_tokens,
+            cached_tokens: winner.cached_tokens,
+            scores: score_list(&scored, load_winner, id_of),
+        })
+    }
+
+    fn score_all(&self, fleet: &mut Fleet, req: &RouteRequest<'_>, now: Timestamp, cfg: &PolicyConfig) -> Vec<Scored> {
+        let index = self.index.read();
+        let mut overlaps = Vec::new();
+        index.overlaps(req.keys, &mut overlaps);
+        let mut raw = std::mem::take(&mut fleet.scratch_overlap);
+        raw.clear();
+        raw.resize(fleet.workers.len(), 0);
+        for &(slot, blocks) in &overlaps {
+            if let Some(r) = raw.get_mut(slot.index()) {
+                *r = blocks;
+            }
+        }
+        let stale_after = cfg.stale_after();
+        let kv_stale_after = cfg.kv_stale_after();
+        let mut scored = Vec::with_capacity(fleet.by_id.len());
+        for (i, worker) in fleet.workers.iter().enumerate() {
+            let Some(w) = worker.as_ref().filter(|w| w.eligible) else { continue };
+            let slot = WorkerSlot(i as u32);
+            let raw_blocks = raw[i];
+            let load_problem = w.load_problem(now, stale_after);
+            let withheld = if raw_blocks == 0 {
+                None
+            } else {
+                load_problem.or_else(|| {
+                    let quiet = w.unanswered_dispatch_since.is_some_and(|since| {
+                        index.last_event_at(slot).is_none_or(|e| e < since) && now.saturating_since(since) > kv_stale_after
+                    });
+                    match index.state(slot) {
+                        Some(KvState::Synced) if quiet => Some(FallbackReason::Stale),
+                        Some(KvState::Synced) | None => None,
+                        Some(KvState::Incomplete(_)) => Some(FallbackReason::Incomplete),
+                        Some(KvState::Stale(_)) => Some(FallbackReason::Stale),
+                        Some(KvState::Invalid(_)) => Some(FallbackReason::Invalid),
+                    }
+                })
+            };
+            let cached_tokens = if withheld.is_none() {
+                (raw_blocks as u64 * self.block_size as u64).min(req.prompt_tokens)
+            } else {
+                0
+            };
+            let load = w.load();
+            let terms = projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
+            scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
+        }
+        fleet.scratch_overlap = raw;
+        scored
+    }
+}
+
+/// The enforce choice of the projected policy and its reason.
+fn projected_choice(scored: &[Scored], load_winner: usize, draw: u64, cfg: &PolicyConfig) -> (usize, Reason) {
+    if scored.iter().any(|s| s.cached_tokens > 0) {
+        let cache_winner = crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
+            .expect("non-empty: a load winner exists");
+        let (c, l) = (&scored[cache_winner], &scored[load_winner]);
+        if cache_winner != load_winner && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg) {
+            return (load_winner, Reason::Escape);
+        }
+        return (cache_winner, Reason::CacheAndLoad);
+    }
+    (load_winner, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback))
+}
+
+/// Why no worker earned cache credit, when telemetry is to blame: the withheld reason of the worker
+/// holding the longest prefix, or the fleet-wide load problem when no worker has fresh load.
+fn fallback_reason(scored: &[Scored]) -> Option<FallbackReason> {
+    let withheld = scored
+        .iter()
+        .filter_map(|s| s.withheld.map(|r| (s.raw_blocks, std::cmp::Reverse(r))))
+        .max()
+        .map(|(_, std::cmp::Reverse(r))| r);
+    withheld.or_else(|| {
+        if scored.iter().all(|s| s.load_problem.is_some()) {
+            scored.iter().filter_map(|s| s.load_problem).min()
+        } else {
+            None
+        }
+    })
+}
+
+fn cache_aware_choice(
+    fleet: &Fleet,
+    scored: &[Scored],
+    req: &RouteRequest<'_>,
+    draw: u64,
+    cfg: &PolicyConfig,
+) -> (usize, Reason, Option<BlockKey>) {
+    let candidates: Vec<cache_aware::Candidate> = scored
+        .iter()
+        .map(|s| cache_aware::Candidate {
+            in_flight: s.load.waiting_requests + s.load.running_requests,
+            routed: fleet.workers[s.slot.index()].as_ref().map_or(0, |w| w.routed),
+            overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
+        })
+        .collect();
+    let prefix = req.keys.first().copied();
+    let seed_free = prefix.is_none_or(|k| !fleet.seeds.contains_key(&k));
+    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seed_free, draw).expect("non-empty candidates");
+    match pick {
+        cache_aware::Pick::Affinity(i) => (i, Reason::CacheAndLoad, None),
+        cache_aware::Pick::Seed(i) => (i, Reason::LoadOnly, prefix),
+        cache_aware::Pick::Balance(i) => (i, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback), None),
+    }
+}
+
+fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> WorkerId) -> Vec<ScoreTerms> {
+    let mut order: Vec<usize> = (0..scored.len()).collect();
+    order.sort_by(|&a, &b| scored[a].terms.projected_s.total_cmp(&scored[b].terms.projected_s).then(a.cmp(&b)));
+    if order.len() > MAX_SCORES {
+        order.truncate(MAX_SCORES);
+        if !order.contains(&load_winner) {
+            order.push(load_winner);
+        }
+    }
+    order
+        .into_iter()
+        .map(|i| {
+            let s = &scored[i];
+            ScoreTerms {
+                worker: id_of(i),
+                projected_s: s.terms.projected_s,
+                cached_tokens: s.cached_tokens,
+                wait_s: s.terms.wait_s,
+                decode_s: s.terms.decode_s,
+                prefill_s: s.terms.prefill_s,
+                barrier_s: s.terms.barrier_s,
+                load_only_s: s.terms.load_only_s,
+                waiting_requests: s.load.waiting_requests,
+                credit_withheld: s.withheld,
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,18 @@
+//! Wire-level types that kvgate's crates share.
+//!
+//! Layout:
+//! - [`kv_events`]: the decoded form of the KV-cache events that vLLM and SGLang publish
+//!   (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), as described in
+//!   `shared/docs/engine-protocols.md` §3–§5. The byte-level decoder that produces these values from
+//!   ZMQ frames lives here too once the live-events work lands; the routing core only ever sees the
+//!   decoded values.
+//!
+//! Nothing in this crate performs I/O or reads a clock.
+
+#![forbid(unsafe_code)]
+
+pub mod kv_events;
+
+pub use kv_events::{
+    is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent, KvEventBatch,
+};

@@ -125,12 +125,10 @@ impl KvIndex {
     }
 
     /// Overrides the worker's state (the event consumer does this after a gap, a replay or a decode
-    /// failure). Moving to `invalid` also forgets the worker's blocks, since they can't be trusted.
+    /// failure). Blocks are kept: an untrusted worker earns no credit, and its decisions can still say
+    /// that its telemetry was the reason. A resync (`AllBlocksCleared` or [`KvIndex::clear_worker`])
+    /// drops them.
     pub fn set_state(&mut self, slot: WorkerSlot, state: KvState) {
-        let invalid = matches!(state, KvState::Invalid(_));
-        if invalid {
-            self.clear_worker(slot);
-        }
         if let Some(w) = self.worker_mut(slot) {
             w.state = state;
         }
@@ -201,6 +199,7 @@ impl KvIndex {
                 "engine block_size {} differs from the router's block_size {}",
                 ev.block_size, self.block_size
             );
+            self.clear_worker(slot);
             self.set_state(slot, KvState::Invalid(reason));
             return dropped;
         }
@@ -236,6 +235,7 @@ impl KvIndex {
                     "worker claims more than {} blocks; its stream is missing removals",
                     self.max_blocks_per_worker
                 );
+                self.clear_worker(slot);
                 self.set_state(slot, KvState::Invalid(reason));
                 stats.dropped += 1;
                 return stats;

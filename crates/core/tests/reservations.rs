@@ -1,0 +1,162 @@
+//! Atomic decision-time reservations: spreading under simultaneity, balance, eligibility.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier};
+
+use kvgate_core::{LoadSnapshot, Mode, PolicyConfig, PolicyName, RequestId, Timestamp, WorkerId};
+use proptest::prelude::*;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use support::*;
+
+#[test]
+fn simultaneous_identical_requests_spread_over_idle_workers() {
+    let router = fleet(8, PolicyConfig::projected(Mode::Enforce));
+    let prompt = tokens("identical", 4000);
+    let mut per_worker: HashMap<WorkerId, usize> = HashMap::new();
+    for i in 0..8 {
+        let d = decide(&router, &Req::new(&router, i, &prompt, 100), T0);
+        *per_worker.entry(d.worker).or_default() += 1;
+    }
+    assert_eq!(per_worker.len(), 8, "{per_worker:?}");
+    assert!(per_worker.values().all(|&n| n == 1));
+}
+
+#[test]
+fn simultaneous_identical_requests_from_many_threads_spread() {
+    const THREADS: usize = 16;
+    let router = Arc::new(fleet(THREADS, PolicyConfig::projected(Mode::Enforce)));
+    let prompt = Arc::new(tokens("identical", 4000));
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (router, prompt, barrier) = (router.clone(), prompt.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let req = Req::new(&router, t as u64, &prompt, 100);
+                let mut rng = ChaCha8Rng::seed_from_u64(t as u64);
+                barrier.wait();
+                router.decide(&req.route(), T0, &mut rng).unwrap().worker
+            })
+        })
+        .collect();
+    let mut per_worker: HashMap<WorkerId, usize> = HashMap::new();
+    for h in handles {
+        *per_worker.entry(h.join().unwrap()).or_default() += 1;
+    }
+    assert_eq!(per_worker.len(), THREADS, "every thread got its own idle worker: {per_worker:?}");
+}
+
+#[test]
+fn identical_requests_for_a_cached_prefix_fill_the_owner_then_spill() {
+    let router = fleet(4, PolicyConfig::projected(Mode::Enforce));
+    let prefix = tokens("cached", 8000);
+    store(&router, &wid(3), &prefix);
+    let mut on_owner = 0;
+    for i in 0..8 {
+        let d = decide(&router, &Req::new(&router, i, &hot_prompt(&prefix, i, 16), 100), T0);
+        on_owner += usize::from(d.worker == wid(3));
+    }
+    // Each reservation adds only the 16-token suffix to the owner's queue, so cache keeps winning:
+    // saving 8,000 tokens (0.4 s) outweighs seven queued suffixes.
+    assert_eq!(on_owner, 8);
+    // A large uncached request queued ahead changes that.
+    let big = Req::new(&router, 100, &tokens("big", 20_000), 1);
+    let d = router.decide(&big.route(), T0, &mut rng()).unwrap();
+    assert_ne!(d.worker, wid(3));
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Decide { prompt: u8, len: u16, max_tokens: u16 },
+    FirstToken { nth: u8 },
+    Release { nth: u8 },
+    Snapshot { worker: u8, waiting: u8 },
+    Eligible { worker: u8, on: bool },
+    Advance { ms: u16 },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        5 => (0..3u8, 1..600u16, 0..200u16).prop_map(|(prompt, len, max_tokens)| Step::Decide { prompt, len, max_tokens }),
+        3 => any::<u8>().prop_map(|nth| Step::FirstToken { nth }),
+        3 => any::<u8>().prop_map(|nth| Step::Release { nth }),
+        2 => (0..4u8, 0..20u8).prop_map(|(worker, waiting)| Step::Snapshot { worker, waiting }),
+        1 => (0..4u8, any::<bool>()).prop_map(|(worker, on)| Step::Eligible { worker, on }),
+        2 => (0..3000u16).prop_map(|ms| Step::Advance { ms }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn reservations_return_to_zero_and_no_decision_picks_an_ineligible_worker(
+        steps in proptest::collection::vec(step(), 1..120),
+        policy in prop_oneof![Just(PolicyName::Projected), Just(PolicyName::LeastLoad), Just(PolicyName::CacheAware)],
+        seed in any::<u64>(),
+    ) {
+        let router = fleet(4, PolicyConfig::new(policy));
+        let prefixes: Vec<Vec<u32>> = (0..3).map(|i| tokens(&format!("prefix-{i}"), 1024)).collect();
+        store(&router, &wid(0), &prefixes[0]);
+        store(&router, &wid(1), &prefixes[1]);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut now = Timestamp::ZERO;
+        let mut open: Vec<RequestId> = Vec::new();
+        let mut eligible = [true; 4];
+        let mut next_id = 0;
+        for s in &steps {
+            match *s {
+                Step::Decide { prompt, len, max_tokens } => {
+                    let mut p = prefixes[prompt as usize][..len.min(1024) as usize].to_vec();
+                    p.extend(tokens(&format!("s{next_id}"), 10));
+                    let req = Req::new(&router, next_id, &p, max_tokens as u64);
+                    next_id += 1;
+                    match router.decide(&req.route(), now, &mut rng) {
+                        Ok(d) => {
+                            let i: usize = d.worker.as_str()[1..].parse().unwrap();
+                            prop_assert!(eligible[i], "picked ineligible {}", d.worker);
+                            prop_assert!(d.scores.iter().all(|s| eligible[s.worker.as_str()[1..].parse::<usize>().unwrap()]));
+                            open.push(d.request);
+                        }
+                        Err(kvgate_core::DecideError::NoEligibleWorker) => prop_assert!(eligible.iter().all(|e| !e)),
+                        Err(e) => prop_assert!(false, "{}", e),
+                    }
+                }
+                Step::FirstToken { nth } if !open.is_empty() => {
+                    let id = open[nth as usize % open.len()];
+                    router.first_token(id, now).unwrap();
+                }
+                Step::Release { nth } if !open.is_empty() => {
+                    let id = open.swap_remove(nth as usize % open.len());
+                    router.release(id, now).unwrap();
+                }
+                Step::Snapshot { worker, waiting } => {
+                    let snap = LoadSnapshot { waiting_requests: waiting as u64, waiting_tokens: waiting as u64 * 500, observed_at: now, ..LoadSnapshot::default() };
+                    router.update_load(&wid(worker as usize), snap).unwrap();
+                }
+                Step::Eligible { worker, on } => {
+                    eligible[worker as usize] = on;
+                    router.set_eligible(&wid(worker as usize), on).unwrap();
+                }
+                Step::Advance { ms } => now = now.saturating_add(std::time::Duration::from_millis(ms as u64)),
+                _ => {}
+            }
+        }
+        for id in open.drain(..) {
+            router.release(id, now).unwrap();
+        }
+        prop_assert_eq!(router.in_flight(), 0);
+        // A fresh report from every worker absorbs what the old ones still showed for finished work.
+        now = now.saturating_add(std::time::Duration::from_millis(1));
+        for w in 0..4 {
+            router.update_load(&wid(w), LoadSnapshot { observed_at: now, ..LoadSnapshot::default() }).unwrap();
+        }
+        for status in router.workers(now) {
+            prop_assert!(status.reserved.is_zero(), "{:?}", status);
+            prop_assert_eq!(status.in_flight, 0);
+            prop_assert_eq!((status.waiting_requests, status.running_requests, status.decode_tokens), (0, 0, 0));
+        }
+    }
+}

@@ -1,1 +1,73 @@
-fn main() {}
+//! The `kvgate` command: one binary for every job. It parses flags and hands off; the work lives in
+//! the library crates.
+
+mod decide;
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+/// kvgate: an LLM inference gateway that routes each request to the engine where it would finish its
+/// prefill soonest, counting cache reuse and load together.
+#[derive(Debug, Parser)]
+#[command(name = "kvgate", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the routing core on a fleet snapshot (JSON) and print its decisions as JSON.
+    ///
+    /// The snapshot schema is documented in docs/decide.md; examples/ holds ready-made fleets.
+    Decide {
+        /// Fleet snapshot file; `-` or nothing reads standard input.
+        file: Option<PathBuf>,
+        /// Seed of the RNG that breaks exact ties between equally scored workers.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print one line of JSON instead of indented JSON.
+        #[arg(long)]
+        compact: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("kvgate: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Decide { file, seed, compact } => {
+            let input = read_input(file.as_deref())?;
+            let output = decide::run(&input, seed)?;
+            let text = if compact { serde_json::to_string(&output)? } else { serde_json::to_string_pretty(&output)? };
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
+fn read_input(file: Option<&std::path::Path>) -> anyhow::Result<String> {
+    match file {
+        Some(path) if path.as_os_str() != "-" => {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read fleet snapshot {}", path.display()))
+        }
+        _ => {
+            let mut s = String::new();
+            std::io::stdin().read_to_string(&mut s).context("cannot read the fleet snapshot from standard input")?;
+            Ok(s)
+        }
+    }
+}

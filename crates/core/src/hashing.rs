@@ -46,6 +46,7 @@ impl Namespace {
 /// Computes chained block keys, reusing one scratch buffer across calls.
 #[derive(Debug, Default)]
 pub struct BlockHasher {
+    #[cfg_attr(target_endian = "little", allow(dead_code))]
     scratch: Vec<u8>,
 }
 
@@ -57,12 +58,23 @@ impl BlockHasher {
 
     /// The key of one block whose predecessor has key `parent`.
     pub fn block_key(&mut self, parent: BlockKey, tokens: &[u32]) -> BlockKey {
+        BlockKey(xxh3_64_with_seed(self.le_bytes(tokens), parent.0))
+    }
+
+    /// The tokens as little-endian bytes: a view on little-endian machines, a copy elsewhere, so keys
+    /// are the same on every architecture.
+    #[cfg(target_endian = "little")]
+    fn le_bytes<'a>(&'a mut self, tokens: &'a [u32]) -> &'a [u8] {
+        bytemuck::cast_slice(tokens)
+    }
+
+    #[cfg(not(target_endian = "little"))]
+    fn le_bytes<'a>(&'a mut self, tokens: &'a [u32]) -> &'a [u8] {
         self.scratch.clear();
-        self.scratch.reserve(tokens.len() * 4);
         for t in tokens {
             self.scratch.extend_from_slice(&t.to_le_bytes());
         }
-        BlockKey(xxh3_64_with_seed(&self.scratch, parent.0))
+        &self.scratch
     }
 
     /// Appends to `out` the keys of every full block of `tokens`, chained from `parent`. A trailing
@@ -117,6 +129,16 @@ mod tests {
         assert_eq!(ka.len(), 4);
         assert_eq!(ka[0], kb[0]);
         assert!(ka[1..].iter().zip(&kb[1..]).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn keys_hash_tokens_as_little_endian_u32() {
+        let mut h = BlockHasher::new();
+        let bytes: Vec<u8> = [1u32, 2, 3].iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(
+            h.block_key(BlockKey(5), &[1, 2, 3]),
+            BlockKey(xxh3_64_with_seed(&bytes, 5))
+        );
     }
 
     #[test]

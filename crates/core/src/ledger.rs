@@ -90,7 +90,9 @@ impl Tracked {
     }
 
     fn phase_seen_by(&self, snapshot_at: Option<Timestamp>) -> Phase {
-        let Some(t) = snapshot_at else { return Phase::Absent };
+        let Some(t) = snapshot_at else {
+            return Phase::Absent;
+        };
         if self.reserved_at >= t || self.finished_at.is_some_and(|f| f < t) {
             Phase::Absent
         } else if self.first_token_at.is_some_and(|f| f < t) {
@@ -158,7 +160,9 @@ impl WorkerLedger {
 
     /// Whether the request is tracked and unfinished.
     pub fn is_in_flight(&self, id: RequestId) -> bool {
-        self.requests.get(&id).is_some_and(|t| t.finished_at.is_none())
+        self.requests
+            .get(&id)
+            .is_some_and(|t| t.finished_at.is_none())
     }
 
     /// Requests tracked, finished ones awaiting reconciliation included.
@@ -171,7 +175,12 @@ impl WorkerLedger {
         if self.requests.contains_key(&id) {
             return false;
         }
-        let tracked = Tracked { work, reserved_at: now, first_token_at: None, finished_at: None };
+        let tracked = Tracked {
+            work,
+            reserved_at: now,
+            first_token_at: None,
+            finished_at: None,
+        };
         self.delta.add(tracked.term(self.snapshot_at), 1);
         self.requests.insert(id, tracked);
         self.in_flight += 1;
@@ -193,7 +202,9 @@ impl WorkerLedger {
         self.in_flight -= 1;
         self.finished_retained += 1;
         let tracked = &self.requests[&id];
-        if tracked.term(self.snapshot_at).is_zero() && tracked.phase_seen_by(self.snapshot_at) == Phase::Absent {
+        if tracked.term(self.snapshot_at).is_zero()
+            && tracked.phase_seen_by(self.snapshot_at) == Phase::Absent
+        {
             self.requests.remove(&id);
             self.finished_retained -= 1;
         } else if self.finished_retained > MAX_RETAINED_FINISHED {
@@ -225,7 +236,10 @@ impl WorkerLedger {
             .filter(|(_, t)| t.finished_at.is_none())
             .map(|(id, _)| *id)
             .collect();
-        *self = WorkerLedger { snapshot_at: self.snapshot_at, ..WorkerLedger::default() };
+        *self = WorkerLedger {
+            snapshot_at: self.snapshot_at,
+            ..WorkerLedger::default()
+        };
         ids
     }
 
@@ -263,7 +277,11 @@ mod tests {
     use super::*;
 
     fn work(p: u64, d: u64) -> Work {
-        Work { prefill_tokens: p, decode_tokens: d, kv_tokens: p + d }
+        Work {
+            prefill_tokens: p,
+            decode_tokens: d,
+            kv_tokens: p + d,
+        }
     }
 
     fn ms(v: u64) -> Timestamp {
@@ -292,12 +310,16 @@ mod tests {
         l.reserve(RequestId(1), work(100, 10), ms(0));
         l.on_snapshot(ms(10));
         assert!(l.delta().is_zero(), "the engine's report already counts it");
-        l.first_token(RequestId(1), ms(20));
+        l.first_token(RequestId(1), ms(20)).unwrap();
         // The engine still reports it waiting; the ledger moves it to decode.
         assert_eq!(l.delta().waiting_tokens, -100);
         assert_eq!(l.delta().decode_tokens, 10);
         l.finish(RequestId(1), ms(30)).unwrap();
-        assert_eq!(l.delta().waiting_tokens, -100, "the snapshot still shows it until a newer one");
+        assert_eq!(
+            l.delta().waiting_tokens,
+            -100,
+            "the snapshot still shows it until a newer one"
+        );
         assert_eq!(l.delta().decode_tokens, 0);
         l.on_snapshot(ms(40));
         assert!(l.delta().is_zero());

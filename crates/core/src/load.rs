@@ -40,7 +40,10 @@ pub struct Throughput {
 impl Throughput {
     /// A throughput of `configured` tokens per second with no observations yet.
     pub fn new(configured: f64) -> Self {
-        Throughput { configured, ewma: None }
+        Throughput {
+            configured,
+            ewma: None,
+        }
     }
 
     /// The configured value.
@@ -51,7 +54,7 @@ impl Throughput {
     /// Folds in an observed rate of `tokens` in `seconds`. Degenerate observations (no tokens, no
     /// time, non-finite values) are ignored.
     pub fn observe(&mut self, tokens: f64, seconds: f64) {
-        if !(tokens > 0.0 && seconds > 0.0) || !tokens.is_finite() || !seconds.is_finite() {
+        if !(tokens > 0.0 && seconds > 0.0 && tokens.is_finite() && seconds.is_finite()) {
             return;
         }
         let rate = tokens / seconds;

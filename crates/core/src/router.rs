@@ -55,7 +55,9 @@ impl std::fmt::Display for DecideError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DecideError::NoEligibleWorker => f.write_str("no eligible worker"),
-            DecideError::DuplicateRequest(id) => write!(f, "request {id} already holds a reservation"),
+            DecideError::DuplicateRequest(id) => {
+                write!(f, "request {id} already holds a reservation")
+            }
         }
     }
 }
@@ -116,7 +118,11 @@ impl Router {
     }
 
     /// Registers a worker with the given initial KV state.
-    pub fn add_worker(&self, config: WorkerConfig, kv_state: KvState) -> Result<WorkerSlot, CoreError> {
+    pub fn add_worker(
+        &self,
+        config: WorkerConfig,
+        kv_state: KvState,
+    ) -> Result<WorkerSlot, CoreError> {
         config.validate()?;
         let mut fleet = self.fleet.lock();
         let slot = fleet.insert(config)?;
@@ -150,19 +156,42 @@ impl Router {
     }
 
     /// Folds an observed prefill rate into the worker's estimate.
-    pub fn observe_prefill_rate(&self, id: &WorkerId, tokens: f64, seconds: f64) -> Result<(), CoreError> {
-        self.fleet.lock().worker_mut(id)?.prefill.observe(tokens, seconds);
+    pub fn observe_prefill_rate(
+        &self,
+        id: &WorkerId,
+        tokens: f64,
+        seconds: f64,
+    ) -> Result<(), CoreError> {
+        self.fleet
+            .lock()
+            .worker_mut(id)?
+            .prefill
+            .observe(tokens, seconds);
         Ok(())
     }
 
     /// Folds an observed decode rate into the worker's estimate.
-    pub fn observe_decode_rate(&self, id: &WorkerId, tokens: f64, seconds: f64) -> Result<(), CoreError> {
-        self.fleet.lock().worker_mut(id)?.decode.observe(tokens, seconds);
+    pub fn observe_decode_rate(
+        &self,
+        id: &WorkerId,
+        tokens: f64,
+        seconds: f64,
+    ) -> Result<(), CoreError> {
+        self.fleet
+            .lock()
+            .worker_mut(id)?
+            .decode
+            .observe(tokens, seconds);
         Ok(())
     }
 
     /// Applies decoded KV events from one worker's stream.
-    pub fn apply_kv_events(&self, id: &WorkerId, events: &[KvEvent], now: Timestamp) -> Result<ApplyStats, CoreError> {
+    pub fn apply_kv_events(
+        &self,
+        id: &WorkerId,
+        events: &[KvEvent],
+        now: Timestamp,
+    ) -> Result<ApplyStats, CoreError> {
         let slot = self.fleet.lock().slot_of(id)?;
         Ok(self.index.write().apply_events(slot, events, now))
     }
@@ -181,7 +210,10 @@ impl Router {
         let slot = fleet.slot_of(id)?;
         let index = self.index.read();
         let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
-        Ok(fleet.workers[slot.index()].as_ref().expect("live slot").status(now, state, index.blocks_held(slot)))
+        Ok(fleet.workers[slot.index()]
+            .as_ref()
+            .expect("live slot")
+            .status(now, state, index.blocks_held(slot)))
     }
 
     /// Every worker's status, in registration-slot order.
@@ -195,7 +227,8 @@ impl Router {
             .filter_map(|(i, w)| {
                 let slot = WorkerSlot(i as u32);
                 let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
-                w.as_ref().map(|w| w.status(now, state, index.blocks_held(slot)))
+                w.as_ref()
+                    .map(|w| w.status(now, state, index.blocks_held(slot)))
             })
             .collect()
     }
@@ -213,9 +246,14 @@ impl Router {
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let held = *fleet.requests.get(&id).ok_or(CoreError::UnknownRequest(id))?;
+        let held = *fleet
+            .requests
+            .get(&id)
+            .ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
-            w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
+            w.ledger
+                .first_token(id, now)
+                .map_err(|_| CoreError::UnknownRequest(id))?;
         }
         if held.seed.is_some() {
             fleet.release_seed(held.seed);
@@ -227,15 +265,24 @@ impl Router {
     /// Releases a request's reservation: it finished, failed or its client went away.
     pub fn release(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let held = fleet.forget_request(id).ok_or(CoreError::UnknownRequest(id))?;
+        let held = fleet
+            .forget_request(id)
+            .ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
-            w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
+            w.ledger
+                .finish(id, now)
+                .map_err(|_| CoreError::UnknownRequest(id))?;
         }
         Ok(())
     }
 
     /// Decides where `req` goes and reserves its work there, atomically.
-    pub fn decide<R: RngCore + ?Sized>(&self, req: &RouteRequest<'_>, now: Timestamp, rng: &mut R) -> Result<Decision, DecideError> {
+    pub fn decide<R: RngCore + ?Sized>(
+        &self,
+        req: &RouteRequest<'_>,
+        now: Timestamp,
+        rng: &mut R,
+    ) -> Result<Decision, DecideError> {
         let draw = rng.next_u64();
         let cfg = self.policy.read().clone();
         let mut guard = self.fleet.lock();
@@ -244,14 +291,16 @@ impl Router {
             return Err(DecideError::DuplicateRequest(req.id));
         }
         let scored = self.score_all(fleet, req, now, &cfg);
-        let load_winner = least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
-            .ok_or(DecideError::NoEligibleWorker)?;
+        let load_winner =
+            least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
+                .ok_or(DecideError::NoEligibleWorker)?;
 
         let mut seed = None;
         let (chosen, reason, enforce) = match cfg.name {
             PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),
             PolicyName::Projected => {
-                let (enforce_choice, enforce_reason) = projected_choice(&scored, load_winner, draw, &cfg);
+                let (enforce_choice, enforce_reason) =
+                    projected_choice(&scored, load_winner, draw, &cfg);
                 match cfg.mode {
                     Mode::Off => (load_winner, Reason::LoadOnly, None),
                     Mode::Shadow => (load_winner, Reason::Shadow, Some(enforce_choice)),
@@ -273,7 +322,9 @@ impl Router {
             kv_tokens: prefill_tokens + req.max_tokens,
         };
         let last_event_at = self.index.read().last_event_at(winner.slot);
-        let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
+        let state = fleet.workers[winner.slot.index()]
+            .as_mut()
+            .expect("scored slots are live");
         state.ledger.reserve(req.id, work, now);
         state.routed += 1;
         let answered = match (state.unanswered_dispatch_since, last_event_at) {
@@ -287,9 +338,22 @@ impl Router {
         if let Some(key) = seed {
             *fleet.seeds.entry(key).or_insert(0) += 1;
         }
-        fleet.requests.insert(req.id, Held { slot: winner.slot, seed });
+        fleet.requests.insert(
+            req.id,
+            Held {
+                slot: winner.slot,
+                seed,
+            },
+        );
 
-        let id_of = |i: usize| fleet.workers[scored[i].slot.index()].as_ref().expect("live").config.id.clone();
+        let id_of = |i: usize| {
+            fleet.workers[scored[i].slot.index()]
+                .as_ref()
+                .expect("live")
+                .config
+                .id
+                .clone()
+        };
         Ok(Decision {
             request: req.id,
             policy: cfg.name,
@@ -304,7 +368,13 @@ impl Router {
         })
     }
 
-    fn score_all(&self, fleet: &mut Fleet, req: &RouteRequest<'_>, now: Timestamp, cfg: &PolicyConfig) -> Vec<Scored> {
+    fn score_all(
+        &self,
+        fleet: &mut Fleet,
+        req: &RouteRequest<'_>,
+        now: Timestamp,
+        cfg: &PolicyConfig,
+    ) -> Vec<Scored> {
         let index = self.index.read();
         let mut overlaps = Vec::new();
         index.overlaps(req.keys, &mut overlaps);
@@ -320,7 +390,9 @@ impl Router {
         let kv_stale_after = cfg.kv_stale_after();
         let mut scored = Vec::with_capacity(fleet.by_id.len());
         for (i, worker) in fleet.workers.iter().enumerate() {
-            let Some(w) = worker.as_ref().filter(|w| w.eligible) else { continue };
+            let Some(w) = worker.as_ref().filter(|w| w.eligible) else {
+                continue;
+            };
             let slot = WorkerSlot(i as u32);
             let raw_blocks = raw[i];
             let load_problem = w.load_problem(now, stale_after);
@@ -329,7 +401,8 @@ impl Router {
             } else {
                 load_problem.or_else(|| {
                     let quiet = w.unanswered_dispatch_since.is_some_and(|since| {
-                        index.last_event_at(slot).is_none_or(|e| e < since) && now.saturating_since(since) > kv_stale_after
+                        index.last_event_at(slot).is_none_or(|e| e < since)
+                            && now.saturating_since(since) > kv_stale_after
                     });
                     match index.state(slot) {
                         Some(KvState::Synced) if quiet => Some(FallbackReason::Stale),
@@ -346,8 +419,17 @@ impl Router {
                 0
             };
             let load = w.load();
-            let terms = projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
-            scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
+            let terms =
+                projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
+            scored.push(Scored {
+                slot,
+                load,
+                terms,
+                cached_tokens,
+                raw_blocks,
+                withheld,
+                load_problem,
+            });
         }
         fleet.scratch_overlap = raw;
         scored
@@ -355,17 +437,28 @@ impl Router {
 }
 
 /// The enforce choice of the projected policy and its reason.
-fn projected_choice(scored: &[Scored], load_winner: usize, draw: u64, cfg: &PolicyConfig) -> (usize, Reason) {
+fn projected_choice(
+    scored: &[Scored],
+    load_winner: usize,
+    draw: u64,
+    cfg: &PolicyConfig,
+) -> (usize, Reason) {
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner = crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
-            .expect("non-empty: a load winner exists");
+        let cache_winner =
+            crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
+                .expect("non-empty: a load winner exists");
         let (c, l) = (&scored[cache_winner], &scored[load_winner]);
-        if cache_winner != load_winner && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg) {
+        if cache_winner != load_winner
+            && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg)
+        {
             return (load_winner, Reason::Escape);
         }
         return (cache_winner, Reason::CacheAndLoad);
     }
-    (load_winner, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback))
+    (
+        load_winner,
+        fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback),
+    )
 }
 
 /// Why no worker earned cache credit, when telemetry is to blame: the withheld reason of the worker
@@ -396,28 +489,54 @@ fn cache_aware_choice(
         .iter()
         .map(|s| cache_aware::Candidate {
             in_flight: s.load.waiting_requests + s.load.running_requests,
-            routed: fleet.workers[s.slot.index()].as_ref().map_or(0, |w| w.routed),
-            overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
+            routed: fleet.workers[s.slot.index()]
+                .as_ref()
+                .map_or(0, |w| w.routed),
+            overlap_blocks: if s.withheld.is_none() {
+                s.raw_blocks
+            } else {
+                0
+            },
         })
         .collect();
     let prefix = req.keys.first().copied();
     let seed_free = prefix.is_none_or(|k| !fleet.seeds.contains_key(&k));
-    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seed_free, draw).expect("non-empty candidates");
+    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seed_free, draw)
+        .expect("non-empty candidates");
     match pick {
         cache_aware::Pick::Affinity(i) => (i, Reason::CacheAndLoad, None),
         cache_aware::Pick::Seed(i) => (i, Reason::LoadOnly, prefix),
-        cache_aware::Pick::Balance(i) => (i, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback), None),
+        cache_aware::Pick::Balance(i) => (
+            i,
+            fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback),
+            None,
+        ),
     }
 }
 
-fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> WorkerId) -> Vec<ScoreTerms> {
+fn score_list(
+    scored: &[Scored],
+    load_winner: usize,
+    id_of: impl Fn(usize) -> WorkerId,
+) -> Vec<ScoreTerms> {
+    let by_score = |a: &usize, b: &usize| {
+        scored[*a]
+            .terms
+            .projected_s
+            .total_cmp(&scored[*b].terms.projected_s)
+            .then(a.cmp(b))
+    };
     let mut order: Vec<usize> = (0..scored.len()).collect();
-    order.sort_by(|&a, &b| scored[a].terms.projected_s.total_cmp(&scored[b].terms.projected_s).then(a.cmp(&b)));
     if order.len() > MAX_SCORES {
+        // Only the best few are listed: select them in linear time, then sort just those.
+        order.select_nth_unstable_by(MAX_SCORES - 1, by_score);
         order.truncate(MAX_SCORES);
+        order.sort_by(by_score);
         if !order.contains(&load_winner) {
             order.push(load_winner);
         }
+    } else {
+        order.sort_by(by_score);
     }
     order
         .into_iter()

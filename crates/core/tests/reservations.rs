@@ -45,7 +45,11 @@ fn simultaneous_identical_requests_from_many_threads_spread() {
     for h in handles {
         *per_worker.entry(h.join().unwrap()).or_default() += 1;
     }
-    assert_eq!(per_worker.len(), THREADS, "every thread got its own idle worker: {per_worker:?}");
+    assert_eq!(
+        per_worker.len(),
+        THREADS,
+        "every thread got its own idle worker: {per_worker:?}"
+    );
 }
 
 #[test]
@@ -55,7 +59,11 @@ fn identical_requests_for_a_cached_prefix_fill_the_owner_then_spill() {
     store(&router, &wid(3), &prefix);
     let mut on_owner = 0;
     for i in 0..8 {
-        let d = decide(&router, &Req::new(&router, i, &hot_prompt(&prefix, i, 16), 100), T0);
+        let d = decide(
+            &router,
+            &Req::new(&router, i, &hot_prompt(&prefix, i, 16), 100),
+            T0,
+        );
         on_owner += usize::from(d.worker == wid(3));
     }
     // Each reservation adds only the 16-token suffix to the owner's queue, so cache keeps winning:
@@ -69,12 +77,28 @@ fn identical_requests_for_a_cached_prefix_fill_the_owner_then_spill() {
 
 #[derive(Debug, Clone)]
 enum Step {
-    Decide { prompt: u8, len: u16, max_tokens: u16 },
-    FirstToken { nth: u8 },
-    Release { nth: u8 },
-    Snapshot { worker: u8, waiting: u8 },
-    Eligible { worker: u8, on: bool },
-    Advance { ms: u16 },
+    Decide {
+        prompt: u8,
+        len: u16,
+        max_tokens: u16,
+    },
+    FirstToken {
+        nth: u8,
+    },
+    Release {
+        nth: u8,
+    },
+    Snapshot {
+        worker: u8,
+        waiting: u8,
+    },
+    Eligible {
+        worker: u8,
+        on: bool,
+    },
+    Advance {
+        ms: u16,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {

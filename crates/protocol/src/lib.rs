@@ -14,5 +14,6 @@
 pub mod kv_events;
 
 pub use kv_events::{
-    is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent, KvEventBatch,
+    is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent,
+    KvEventBatch,
 };

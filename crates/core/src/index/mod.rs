@@ -157,7 +157,12 @@ impl KvIndex {
     }
 
     /// Applies one worker's events in order.
-    pub fn apply_events(&mut self, slot: WorkerSlot, events: &[KvEvent], now: Timestamp) -> ApplyStats {
+    pub fn apply_events(
+        &mut self,
+        slot: WorkerSlot,
+        events: &[KvEvent],
+        now: Timestamp,
+    ) -> ApplyStats {
         let mut stats = ApplyStats::default();
         for event in events {
             stats.add(self.apply(slot, event, now));
@@ -168,7 +173,10 @@ impl KvIndex {
     /// Applies one event from `slot`'s stream.
     pub fn apply(&mut self, slot: WorkerSlot, event: &KvEvent, now: Timestamp) -> ApplyStats {
         let Some(w) = self.worker_mut(slot) else {
-            return ApplyStats { dropped: 1, ..ApplyStats::default() };
+            return ApplyStats {
+                dropped: 1,
+                ..ApplyStats::default()
+            };
         };
         w.last_event_at = Some(now);
         match event {
@@ -181,14 +189,23 @@ impl KvIndex {
                         w.state = KvState::Synced;
                     }
                 }
-                ApplyStats { clears: 1, ..ApplyStats::default() }
+                ApplyStats {
+                    clears: 1,
+                    ..ApplyStats::default()
+                }
             }
         }
     }
 
     fn apply_stored(&mut self, slot: WorkerSlot, ev: &BlockStored) -> ApplyStats {
-        let ignored = ApplyStats { ignored: 1, ..ApplyStats::default() };
-        let dropped = ApplyStats { dropped: 1, ..ApplyStats::default() };
+        let ignored = ApplyStats {
+            ignored: 1,
+            ..ApplyStats::default()
+        };
+        let dropped = ApplyStats {
+            dropped: 1,
+            ..ApplyStats::default()
+        };
         if !is_prefix_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref())
             || !is_accelerator_medium(ev.medium.as_deref())
         {
@@ -214,23 +231,34 @@ impl KvIndex {
             self.mark_incomplete(slot, reason);
             return dropped;
         }
-        let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+        let worker = self.workers[slot.index()]
+            .as_mut()
+            .expect("checked by caller");
         let mut key = match ev.parent_block_hash {
             None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
             Some(parent) => match worker.engine_to_key.get(&parent) {
                 Some(key) => *key,
                 None => {
-                    let reason = format!("BlockStored names unknown parent block {:#018x}", parent.0);
+                    let reason =
+                        format!("BlockStored names unknown parent block {:#018x}", parent.0);
                     self.mark_incomplete(slot, reason);
                     return dropped;
                 }
             },
         };
         let mut stats = ApplyStats::default();
-        for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
+        for (hash, tokens) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(block_size))
+        {
             key = self.hasher.block_key(key, tokens);
-            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
-            if worker.key_refs.len() >= self.max_blocks_per_worker && !worker.key_refs.contains_key(&key) {
+            let worker = self.workers[slot.index()]
+                .as_mut()
+                .expect("checked by caller");
+            if worker.key_refs.len() >= self.max_blocks_per_worker
+                && !worker.key_refs.contains_key(&key)
+            {
                 let reason = format!(
                     "worker claims more than {} blocks; its stream is missing removals",
                     self.max_blocks_per_worker
@@ -259,7 +287,9 @@ impl KvIndex {
             return stats;
         }
         for hash in &ev.block_hashes {
-            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+            let worker = self.workers[slot.index()]
+                .as_mut()
+                .expect("checked by caller");
             match worker.unmap_engine_hash(*hash) {
                 Some((key, true)) => {
                     remove_holder(&mut self.holders, key, slot);
@@ -282,7 +312,9 @@ impl KvIndex {
 
     /// Forgets every block the worker holds, keeping its state.
     pub fn clear_worker(&mut self, slot: WorkerSlot) {
-        let Some(w) = self.worker_mut(slot) else { return };
+        let Some(w) = self.worker_mut(slot) else {
+            return;
+        };
         let keys: Vec<BlockKey> = w.take_all();
         for key in keys {
             remove_holder(&mut self.holders, key, slot);
@@ -293,12 +325,18 @@ impl KvIndex {
     /// Workers holding none are not listed. `out` is cleared first.
     pub fn overlaps(&self, keys: &[BlockKey], out: &mut Vec<(WorkerSlot, u32)>) {
         out.clear();
-        let Some((first, rest)) = keys.split_first() else { return };
-        let Some(first_holders) = self.holders.get(first) else { return };
+        let Some((first, rest)) = keys.split_first() else {
+            return;
+        };
+        let Some(first_holders) = self.holders.get(first) else {
+            return;
+        };
         let mut alive: SmallVec<[WorkerSlot; 32]> = first_holders.iter().copied().collect();
         let mut depth = 1u32;
         for key in rest {
-            let Some(next) = self.holders.get(key) else { break };
+            let Some(next) = self.holders.get(key) else {
+                break;
+            };
             let mut kept = 0;
             let mut j = 0;
             for i in 0..alive.len() {
@@ -324,7 +362,9 @@ impl KvIndex {
 
     /// Whether `slot` holds block `key`.
     pub fn holds(&self, slot: WorkerSlot, key: BlockKey) -> bool {
-        self.holders.get(&key).is_some_and(|h| h.binary_search(&slot).is_ok())
+        self.holders
+            .get(&key)
+            .is_some_and(|h| h.binary_search(&slot).is_ok())
     }
 
     fn worker(&self, slot: WorkerSlot) -> Option<&WorkerBlocks> {

@@ -62,14 +62,28 @@ pub fn pick(
     seed_slot_free: bool,
     draw: u64,
 ) -> Option<Pick> {
-    let min_idx = (0..candidates.len()).min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
-    let best_overlap = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
+    let min_idx = (0..candidates.len())
+        .min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
+    let best_overlap = candidates
+        .iter()
+        .map(|c| c.overlap_blocks)
+        .max()
+        .unwrap_or(0);
     if request_blocks == 0 || best_overlap == 0 {
         return Some(Pick::Balance(min_idx));
     }
-    let holders: Vec<usize> = (0..candidates.len()).filter(|&i| candidates[i].overlap_blocks == best_overlap).collect();
-    let least = holders.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
-    let tied: Vec<usize> = holders.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
+    let holders: Vec<usize> = (0..candidates.len())
+        .filter(|&i| candidates[i].overlap_blocks == best_overlap)
+        .collect();
+    let least = holders
+        .iter()
+        .map(|&i| candidates[i].in_flight)
+        .min()
+        .unwrap_or(0);
+    let tied: Vec<usize> = holders
+        .into_iter()
+        .filter(|&i| candidates[i].in_flight == least)
+        .collect();
     let selected = tied[(draw % tied.len() as u64) as usize];
 
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
@@ -89,7 +103,14 @@ mod tests {
     use crate::policy::PolicyName;
 
     fn cands(loads: &[(u64, u32)]) -> Vec<Candidate> {
-        loads.iter().map(|&(in_flight, overlap_blocks)| Candidate { in_flight, routed: 0, overlap_blocks }).collect()
+        loads
+            .iter()
+            .map(|&(in_flight, overlap_blocks)| Candidate {
+                in_flight,
+                routed: 0,
+                overlap_blocks,
+            })
+            .collect()
     }
 
     #[test]
@@ -103,7 +124,10 @@ mod tests {
 
     #[test]
     fn cap_one_seeding_sends_one_request_away_and_keeps_the_rest_on_the_owner() {
-        let cfg = PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
+        let cfg = PolicyConfig {
+            distribution_seeding: true,
+            ..PolicyConfig::new(PolicyName::CacheAware)
+        };
         let c = cands(&[(200, 4), (0, 0), (0, 0)]);
         assert_eq!(pick(&c, 4, &cfg, true, 0), Some(Pick::Seed(1)));
         assert_eq!(pick(&c, 4, &cfg, false, 0), Some(Pick::Affinity(0)));

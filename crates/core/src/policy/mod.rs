@@ -275,7 +275,10 @@ impl PolicyConfig {
 
     /// The projected policy in `mode`.
     pub fn projected(mode: Mode) -> Self {
-        PolicyConfig { mode, ..PolicyConfig::new(PolicyName::Projected) }
+        PolicyConfig {
+            mode,
+            ..PolicyConfig::new(PolicyName::Projected)
+        }
     }
 
     /// Checks every knob's bounds and the combination of settings.
@@ -329,31 +332,56 @@ mod tests {
 
     #[test]
     fn out_of_range_knob_is_named_with_its_range() {
-        let cfg = PolicyConfig { escape_seconds: -1.0, ..PolicyConfig::default() };
+        let cfg = PolicyConfig {
+            escape_seconds: -1.0,
+            ..PolicyConfig::default()
+        };
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("escape_seconds"), "{err}");
         assert!(err.contains("0 to 3600"), "{err}");
-        let cfg = PolicyConfig { kv_barrier_threshold: 1.5, ..PolicyConfig::default() };
-        assert!(cfg.validate().unwrap_err().to_string().contains("kv_barrier_threshold"));
-        let cfg = PolicyConfig { escape_seconds: f64::NAN, ..PolicyConfig::default() };
+        let cfg = PolicyConfig {
+            kv_barrier_threshold: 1.5,
+            ..PolicyConfig::default()
+        };
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("kv_barrier_threshold"));
+        let cfg = PolicyConfig {
+            escape_seconds: f64::NAN,
+            ..PolicyConfig::default()
+        };
         assert!(cfg.validate().is_err());
     }
 
     #[test]
     fn distribution_seeding_is_rejected_for_projected_and_accepted_for_cache_aware() {
-        let projected = PolicyConfig { distribution_seeding: true, ..PolicyConfig::default() };
+        let projected = PolicyConfig {
+            distribution_seeding: true,
+            ..PolicyConfig::default()
+        };
         let err = projected.validate().unwrap_err().to_string();
         assert!(err.contains("distribution_seeding"), "{err}");
         assert!(err.contains("projected"), "{err}");
-        let cache_aware =
-            PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
+        let cache_aware = PolicyConfig {
+            distribution_seeding: true,
+            ..PolicyConfig::new(PolicyName::CacheAware)
+        };
         cache_aware.validate().unwrap();
     }
 
     #[test]
     fn modes_other_than_the_policy_own_are_rejected_outside_projected() {
-        let ll = PolicyConfig { mode: Mode::Enforce, ..PolicyConfig::new(PolicyName::LeastLoad) };
-        assert!(ll.validate().unwrap_err().to_string().contains("always runs in mode off"));
+        let ll = PolicyConfig {
+            mode: Mode::Enforce,
+            ..PolicyConfig::new(PolicyName::LeastLoad)
+        };
+        assert!(ll
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("always runs in mode off"));
         for mode in [Mode::Off, Mode::Shadow, Mode::Enforce] {
             PolicyConfig::projected(mode).validate().unwrap();
         }
@@ -371,7 +399,10 @@ pub(crate) fn argmin(n: usize, key: impl Fn(usize) -> f64, draw: u64) -> Option<
     let tolerance = 1e-9 * min.abs().max(1.0);
     let tied = |i: &usize| key(*i) - min <= tolerance;
     let count = (0..n).filter(tied).count().max(1);
-    (0..n).filter(tied).nth((draw % count as u64) as usize).or(Some(0))
+    (0..n)
+        .filter(tied)
+        .nth((draw % count as u64) as usize)
+        .or(Some(0))
 }
 
 #[cfg(test)]

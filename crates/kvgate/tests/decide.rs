@@ -242,7 +242,11 @@ fn no_eligible_worker_is_an_error_not_a_panic() {
 
 #[test]
 fn routing_doc_lists_every_knob_with_its_code_bounds() {
-    let doc = std::fs::read_to_string(format!("{}/../../docs/routing.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let doc = std::fs::read_to_string(format!(
+        "{}/../../docs/routing.md",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
     let mut knobs = kvgate_core::policy::KNOBS.to_vec();
     knobs.extend([
         kvgate_core::BLOCK_SIZE,
@@ -252,17 +256,29 @@ fn routing_doc_lists_every_knob_with_its_code_bounds() {
     ]);
     for k in knobs {
         let row = format!("| `{}` | {} | {} | {} |", k.name, k.min, k.max, k.default);
-        assert!(doc.contains(&row), "docs/routing.md lacks the row starting {row}");
+        assert!(
+            doc.contains(&row),
+            "docs/routing.md lacks the row starting {row}"
+        );
     }
 }
 
 #[test]
 fn decide_doc_input_example_runs_as_documented() {
-    let doc = std::fs::read_to_string(format!("{}/../../docs/decide.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let doc = std::fs::read_to_string(format!(
+        "{}/../../docs/decide.md",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
     let start = doc.find("```json\n").expect("an input example") + "```json\n".len();
     let end = start + doc[start..].find("```").unwrap();
-    let input: Value = serde_json::from_str(&doc[start..end]).expect("the documented input is valid JSON");
-    assert_eq!(input, issue_schema(), "the doc shows the schema the tests use");
+    let input: Value =
+        serde_json::from_str(&doc[start..end]).expect("the documented input is valid JSON");
+    assert_eq!(
+        input,
+        issue_schema(),
+        "the doc shows the schema the tests use"
+    );
     let out = decide(&input);
     assert_eq!(out["decisions"][0]["worker"], "w1");
     assert_eq!(out["decisions"][0]["scores"][0]["projected_s"], 0.4196);

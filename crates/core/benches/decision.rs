@@ -21,15 +21,7 @@ const PROMPT_TOKENS: usize = 8192;
 const INDEX_BLOCKS: usize = 1 << 20;
 
 fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
+    kvgate_core::hashing::synthetic_tokens(seed, n)
 }
 
 fn store(router: &Router, worker: &WorkerId, prompt: &[u32], hash_base: u64) {
@@ -100,44 +92,27 @@ fn bench_decision(c: &mut Criterion) {
         let (router, prompt) = setup(workers);
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let mut next = 0u64;
-        group.bench_with_input(
-            BenchmarkId::new("hash_decide_release", workers),
-            &workers,
-            |b, _| {
-                b.iter(|| {
-                    let keys = router.request_keys(Namespace::DEFAULT, black_box(&prompt));
-                    let req = RouteRequest {
-                        id: RequestId(next),
-                        keys: &keys,
-                        prompt_tokens: prompt.len() as u64,
-                        max_tokens: 256,
-                    };
-                    next += 1;
-                    let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
-                    router.release(d.request, Timestamp::ZERO).unwrap();
-                    black_box(d.worker);
-                })
-            },
-        );
+        let mut decide_and_release = |keys: &[kvgate_core::BlockKey]| {
+            let req = RouteRequest {
+                id: RequestId(next),
+                keys,
+                prompt_tokens: prompt.len() as u64,
+                max_tokens: 256,
+            };
+            next += 1;
+            let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
+            router.release(d.request, Timestamp::ZERO).unwrap();
+            black_box(d.worker);
+        };
+        group.bench_function(BenchmarkId::new("hash_decide_release", workers), |b| {
+            b.iter(|| {
+                decide_and_release(&router.request_keys(Namespace::DEFAULT, black_box(&prompt)))
+            })
+        });
         let keys = router.request_keys(Namespace::DEFAULT, &prompt);
-        group.bench_with_input(
-            BenchmarkId::new("decide_release_prehashed", workers),
-            &workers,
-            |b, _| {
-                b.iter(|| {
-                    let req = RouteRequest {
-                        id: RequestId(next),
-                        keys: &keys,
-                        prompt_tokens: prompt.len() as u64,
-                        max_tokens: 256,
-                    };
-                    next += 1;
-                    let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
-                    router.release(d.request, Timestamp::ZERO).unwrap();
-                    black_box(d.worker);
-                })
-            },
-        );
+        group.bench_function(BenchmarkId::new("decide_release_prehashed", workers), |b| {
+            b.iter(|| decide_and_release(black_box(&keys)))
+        });
     }
     group.bench_function("hash_8k_prompt", |b| {
         let prompt = tokens(7, PROMPT_TOKENS);

@@ -18,16 +18,11 @@ const BLOCKS_PER_RUN: usize = 32;
 fn events(worker: u64) -> (Vec<KvEvent>, Vec<KvEvent>) {
     let mut stored = Vec::new();
     let mut removed = Vec::new();
-    let mut x = worker.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     for r in 0..RUNS {
-        let tokens: Vec<u32> = (0..BLOCKS_PER_RUN * BLOCK as usize)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % 150_000) as u32
-            })
-            .collect();
+        let tokens = kvgate_core::hashing::synthetic_tokens(
+            worker << 32 | r as u64,
+            BLOCKS_PER_RUN * BLOCK as usize,
+        );
         let hashes: Vec<EngineHash> = (0..BLOCKS_PER_RUN)
             .map(|b| EngineHash(((r * BLOCKS_PER_RUN + b) as u64) << 8 | worker))
             .collect();

@@ -109,6 +109,24 @@ impl BlockHasher {
     }
 }
 
+/// Deterministic pseudo-random token ids for synthetic workloads (fleet snapshots, simulations,
+/// trace replay, tests): the same seed always gives the same tokens, position by position, so a
+/// shorter expansion is a prefix of a longer one and distinct seeds give unrelated prompts.
+pub fn synthetic_tokens(seed: u64, n: usize) -> Vec<u32> {
+    // splitmix64 of the position: stateless, so any range can be produced independently.
+    (0..n as u64)
+        .map(|i| {
+            let mut z = seed.wrapping_add(i.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % SYNTHETIC_VOCAB) as u32
+        })
+        .collect()
+}
+
+/// Vocabulary size of [`synthetic_tokens`], about that of current large tokenizers.
+pub const SYNTHETIC_VOCAB: u64 = 150_000;
+
 /// A stable 64-bit digest of a string, for deriving deterministic synthetic content from names.
 pub fn digest_str(s: &str) -> u64 {
     xxh3_64(s.as_bytes())

@@ -21,6 +21,38 @@
 //!
 //! Time enters as [`Timestamp`] arguments and randomness as an RNG argument, so the gateway, the
 //! simulator and the tests run exactly this code.
+//!
+//! ```
+//! use kvgate_core::*;
+//! use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
+//! use rand::SeedableRng;
+//!
+//! let router = Router::new(4, PolicyConfig::projected(Mode::Enforce)).unwrap();
+//! for name in ["a", "b"] {
+//!     router.add_worker(WorkerConfig::new(name), KvState::Synced).unwrap();
+//!     router.update_load(&WorkerId::new(name), LoadSnapshot::default()).unwrap();
+//! }
+//! // Worker "b" reports that it cached the first two blocks of the prompt.
+//! let prompt: Vec<u32> = (0..10).collect();
+//! let stored = KvEvent::BlockStored(BlockStored {
+//!     block_hashes: vec![EngineHash(11), EngineHash(12)],
+//!     token_ids: prompt[..8].to_vec(),
+//!     block_size: 4,
+//!     ..BlockStored::default()
+//! });
+//! router.apply_kv_events(&WorkerId::new("b"), &[stored], Timestamp::ZERO).unwrap();
+//!
+//! let keys = router.request_keys(Namespace::DEFAULT, &prompt);
+//! let request = RouteRequest { id: RequestId(1), keys: &keys, prompt_tokens: 10, max_tokens: 32 };
+//! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+//! let decision = router.decide(&request, Timestamp::ZERO, &mut rng).unwrap();
+//! assert_eq!(decision.worker.as_str(), "b");
+//! assert_eq!(decision.cached_tokens, 8);
+//! assert_eq!(decision.reason, Reason::CacheAndLoad);
+//! // The work is reserved on "b" until the request's first token and release.
+//! router.first_token(RequestId(1), Timestamp::from_millis(40)).unwrap();
+//! router.release(RequestId(1), Timestamp::from_millis(900)).unwrap();
+//! ```
 
 #![forbid(unsafe_code)]
 
@@ -46,5 +78,5 @@ pub use ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};
 pub use load::LoadSnapshot;
 pub use policy::{Mode, PolicyConfig, PolicyName};
-pub use router::{DecideError, RouteRequest, Router, BLOCK_SIZE};
+pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};
 pub use time::Timestamp;

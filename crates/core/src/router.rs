@@ -42,6 +42,15 @@ pub struct RouteRequest<'a> {
     pub max_tokens: u64,
 }
 
+/// Which throughput an observation corrects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateKind {
+    /// New prompt tokens per second.
+    Prefill,
+    /// Generated tokens per second, summed over the running batch.
+    Decode,
+}
+
 /// Why no decision was made. These are expected outcomes, not faults.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecideError {
@@ -155,33 +164,21 @@ impl Router {
         Ok(())
     }
 
-    /// Folds an observed prefill rate into the worker's estimate.
-    pub fn observe_prefill_rate(
+    /// Folds an observed rate (`tokens` processed in `seconds`) into the worker's prefill or decode
+    /// throughput estimate.
+    pub fn observe_rate(
         &self,
         id: &WorkerId,
+        kind: RateKind,
         tokens: f64,
         seconds: f64,
     ) -> Result<(), CoreError> {
-        self.fleet
-            .lock()
-            .worker_mut(id)?
-            .prefill
-            .observe(tokens, seconds);
-        Ok(())
-    }
-
-    /// Folds an observed decode rate into the worker's estimate.
-    pub fn observe_decode_rate(
-        &self,
-        id: &WorkerId,
-        tokens: f64,
-        seconds: f64,
-    ) -> Result<(), CoreError> {
-        self.fleet
-            .lock()
-            .worker_mut(id)?
-            .decode
-            .observe(tokens, seconds);
+        let mut fleet = self.fleet.lock();
+        let worker = fleet.worker_mut(id)?;
+        match kind {
+            RateKind::Prefill => worker.prefill.observe(tokens, seconds),
+            RateKind::Decode => worker.decode.observe(tokens, seconds),
+        }
         Ok(())
     }
 

@@ -184,3 +184,69 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn fresher_telemetry_absorbs_reservations_without_double_counting() {
+    let router = fleet(1, PolicyConfig::projected(Mode::Enforce));
+    let req = Req::new(&router, 1, &tokens("p", 3000), 100);
+    decide(&router, &req, Timestamp::from_millis(10));
+    let status = router
+        .worker_status(&wid(0), Timestamp::from_millis(10))
+        .unwrap();
+    assert_eq!((status.waiting_requests, status.waiting_tokens), (1, 3000));
+    // The engine's next report (measured after the dispatch) already counts the request.
+    let seen = LoadSnapshot {
+        waiting_requests: 1,
+        waiting_tokens: 3000,
+        observed_at: Timestamp::from_millis(20),
+        ..LoadSnapshot::default()
+    };
+    router.update_load(&wid(0), seen).unwrap();
+    let status = router
+        .worker_status(&wid(0), Timestamp::from_millis(20))
+        .unwrap();
+    assert_eq!(
+        (status.waiting_requests, status.waiting_tokens),
+        (1, 3000),
+        "counted once, not twice"
+    );
+    // First token: the report still says waiting, the ledger moves the request to decode.
+    router
+        .first_token(req.id, Timestamp::from_millis(30))
+        .unwrap();
+    let status = router
+        .worker_status(&wid(0), Timestamp::from_millis(30))
+        .unwrap();
+    assert_eq!(
+        (
+            status.waiting_requests,
+            status.running_requests,
+            status.decode_tokens
+        ),
+        (0, 1, 100)
+    );
+    // Finished: gone at once, though the last report still shows it waiting.
+    router.release(req.id, Timestamp::from_millis(40)).unwrap();
+    let status = router
+        .worker_status(&wid(0), Timestamp::from_millis(40))
+        .unwrap();
+    assert_eq!((status.waiting_requests, status.running_requests), (0, 0));
+    // An older report arriving late changes nothing.
+    router
+        .update_load(
+            &wid(0),
+            LoadSnapshot {
+                waiting_requests: 50,
+                observed_at: Timestamp::from_millis(5),
+                ..LoadSnapshot::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        router
+            .worker_status(&wid(0), Timestamp::from_millis(40))
+            .unwrap()
+            .waiting_requests,
+        0
+    );
+}

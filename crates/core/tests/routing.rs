@@ -9,21 +9,23 @@ use support::*;
 /// 49 idle peers and one more busy worker.
 fn incident(policy: PolicyConfig) -> (kvgate_core::Router, Vec<u32>) {
     let router = fleet(51, policy);
-    let prefix = tokens("hot system prompt", 8192);
-    router
-        .update_load(
-            &wid(0),
-            LoadSnapshot {
-                kv_usage: 0.62,
-                ..busy(109, 915_600, 38, 11_400)
-            },
-        )
-        .unwrap();
+    let prefix = make_hot_owner(&router);
     router
         .update_load(&wid(50), busy(12, 60_000, 30, 9_000))
         .unwrap();
-    store(&router, &wid(0), &prefix);
     (router, prefix)
+}
+
+/// Makes w0 the incident's owner: 109 waiting, 38 running, holding the hot 8k-token prefix.
+fn make_hot_owner(router: &kvgate_core::Router) -> Vec<u32> {
+    let prefix = tokens("hot system prompt", 8192);
+    let owner = LoadSnapshot {
+        kv_usage: 0.62,
+        ..busy(109, 915_600, 38, 11_400)
+    };
+    router.update_load(&wid(0), owner).unwrap();
+    store(router, &wid(0), &prefix);
+    prefix
 }
 
 #[test]
@@ -398,7 +400,9 @@ fn observed_slow_prefill_raises_a_worker_projected_wait() {
     for i in 0..2 {
         router.update_load(&wid(i), busy(1, 10_000, 0, 0)).unwrap();
     }
-    router.observe_prefill_rate(&wid(0), 5_000.0, 1.0).unwrap();
+    router
+        .observe_rate(&wid(0), kvgate_core::RateKind::Prefill, 5_000.0, 1.0)
+        .unwrap();
     let d = decide(&router, &Req::new(&router, 1, &tokens("p", 100), 1), T0);
     assert_eq!(d.worker, wid(1));
     let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
@@ -421,17 +425,7 @@ fn removing_a_worker_drops_its_reservations() {
 #[test]
 fn hot_owner_is_credited_for_its_cache_and_still_loses() {
     let router = fleet(3, PolicyConfig::projected(Mode::Enforce));
-    let prefix = tokens("hot system prompt", 8192);
-    router
-        .update_load(
-            &wid(0),
-            LoadSnapshot {
-                kv_usage: 0.62,
-                ..busy(109, 915_600, 38, 11_400)
-            },
-        )
-        .unwrap();
-    store(&router, &wid(0), &prefix);
+    let prefix = make_hot_owner(&router);
     let d = decide(
         &router,
         &Req::new(&router, 1, &hot_prompt(&prefix, 1, 200), 256),

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 
 use anyhow::{anyhow, bail, Context};
-use kvgate_core::hashing::digest_str;
+use kvgate_core::hashing::{digest_str, synthetic_tokens};
 use kvgate_core::{
     Decision, KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, PolicyName, RequestId,
     RouteRequest, Router, Timestamp, WorkerConfig, WorkerId, BLOCK_SIZE,
@@ -394,19 +394,7 @@ fn stored_events(worker: &str, prefix: &str, tokens: &[u32], block: usize) -> Ve
 /// Deterministic tokens for a named prefix: the same name always expands to the same tokens, and a
 /// shorter expansion is a prefix of a longer one.
 pub fn prefix_tokens(name: &str, n: usize) -> Vec<u32> {
-    pseudo_tokens(digest_str(name), n)
-}
-
-fn pseudo_tokens(seed: u64, n: usize) -> Vec<u32> {
-    // splitmix64: cheap, stateless per position, and good enough to make distinct names disjoint.
-    (0..n as u64)
-        .map(|i| {
-            let mut z = seed.wrapping_add(i.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % 100_000) as u32
-        })
-        .collect()
+    synthetic_tokens(digest_str(name), n)
 }
 
 fn request_tokens(r: &RequestInput, index: usize) -> anyhow::Result<Vec<u32>> {
@@ -427,7 +415,7 @@ fn request_tokens(r: &RequestInput, index: usize) -> anyhow::Result<Vec<u32>> {
         .as_deref()
         .map_or_else(Vec::new, |p| prefix_tokens(p, r.prefix_tokens as usize));
     // Suffixes are unique per request entry; repeats of an entry are identical requests.
-    tokens.extend(pseudo_tokens(
+    tokens.extend(synthetic_tokens(
         digest_str(&format!("kvgate-decide-suffix-{index}")),
         r.suffix_tokens as usize,
     ));

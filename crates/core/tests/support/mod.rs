@@ -23,15 +23,7 @@ pub fn wid(i: usize) -> WorkerId {
 
 /// Deterministic tokens for a named piece of text.
 pub fn tokens(name: &str, n: usize) -> Vec<u32> {
-    let mut x = kvgate_core::hashing::digest_str(name) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 150_000) as u32
-        })
-        .collect()
+    kvgate_core::hashing::synthetic_tokens(kvgate_core::hashing::digest_str(name), n)
 }
 
 /// A router with `n` workers, each with a fresh idle load report at t = 0.

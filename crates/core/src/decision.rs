@@ -131,6 +131,9 @@ pub struct Decision {
     pub load_only_worker: WorkerId,
     /// What `enforce` chooses (in `shadow`, the counterfactual); `None` in `off`.
     pub enforce_worker: Option<WorkerId>,
+    /// Why `enforce` chooses `enforce_worker` (in `shadow`: the escape or fallback it would have
+    /// taken); `None` in `off`.
+    pub enforce_reason: Option<Reason>,
     /// Prompt tokens of the request.
     pub prompt_tokens: u64,
     /// Prompt tokens credited as cached on the chosen worker.

@@ -94,7 +94,8 @@ pub struct Router {
 impl Router {
     /// A router for engines with blocks of `block_size` tokens.
     pub fn new(block_size: u32, policy: PolicyConfig) -> Result<Self, CoreError> {
-        Self::with_index(KvIndex::new(block_size.max(1)), policy)
+        BLOCK_SIZE.check(block_size as f64)?;
+        Self::with_index(KvIndex::new(block_size), policy)
     }
 
     /// A router around an existing (empty) index, for custom index limits.
@@ -300,14 +301,22 @@ impl Router {
                     projected_choice(&scored, load_winner, draw, &cfg);
                 match cfg.mode {
                     Mode::Off => (load_winner, Reason::LoadOnly, None),
-                    Mode::Shadow => (load_winner, Reason::Shadow, Some(enforce_choice)),
-                    Mode::Enforce => (enforce_choice, enforce_reason, Some(enforce_choice)),
+                    Mode::Shadow => (
+                        load_winner,
+                        Reason::Shadow,
+                        Some((enforce_choice, enforce_reason)),
+                    ),
+                    Mode::Enforce => (
+                        enforce_choice,
+                        enforce_reason,
+                        Some((enforce_choice, enforce_reason)),
+                    ),
                 }
             }
             PolicyName::CacheAware => {
                 let (choice, reason, seeded) = cache_aware_choice(fleet, &scored, req, draw, &cfg);
                 seed = seeded;
-                (choice, reason, Some(choice))
+                (choice, reason, Some((choice, reason)))
             }
         };
 
@@ -358,7 +367,8 @@ impl Router {
             worker: id_of(chosen),
             reason,
             load_only_worker: id_of(load_winner),
-            enforce_worker: enforce.map(id_of),
+            enforce_worker: enforce.map(|(i, _)| id_of(i)),
+            enforce_reason: enforce.map(|(_, r)| r),
             prompt_tokens: req.prompt_tokens,
             cached_tokens: winner.cached_tokens,
             scores: score_list(&scored, load_winner, id_of),

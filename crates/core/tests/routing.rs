@@ -271,6 +271,7 @@ fn off_mode_is_exactly_least_load() {
         assert_eq!(da.worker, da.load_only_worker);
         assert_eq!(da.reason, Reason::LoadOnly);
         assert_eq!(da.enforce_worker, None);
+        assert_eq!(da.enforce_reason, None);
     }
 }
 
@@ -288,6 +289,7 @@ fn shadow_records_the_enforce_choice_without_changing_dispatch() {
     assert_eq!(d.reason, Reason::Shadow);
     assert_eq!(d.worker, d.load_only_worker);
     assert_eq!(d.enforce_worker, Some(wid(1)));
+    assert_eq!(d.enforce_reason, Some(Reason::CacheAndLoad));
     assert!(d.shadow_disagrees());
     let status = router.worker_status(&d.worker, T0).unwrap();
     assert_eq!(
@@ -444,4 +446,10 @@ fn hot_owner_is_credited_for_its_cache_and_still_loses() {
     let winner = d.scores.iter().find(|s| s.worker == d.worker).unwrap();
     assert!((winner.prefill_s - 8392.0 / 20_000.0).abs() < 1e-9);
     assert!(winner.projected_s < 1.0 && owner.projected_s > 51.0);
+}
+
+#[test]
+fn zero_block_size_is_rejected() {
+    let err = kvgate_core::Router::new(0, PolicyConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("block_size"), "{err}");
 }

@@ -85,10 +85,10 @@ impl KvIndex {
     }
 
     /// An empty index that marks a worker `invalid` (and forgets its blocks) once it claims more than
-    /// `max_blocks_per_worker` blocks.
+    /// `max_blocks_per_worker` blocks. A block size of 0 is taken as 1.
     pub fn with_limit(block_size: u32, max_blocks_per_worker: usize) -> Self {
         KvIndex {
-            block_size,
+            block_size: block_size.max(1),
             max_blocks_per_worker,
             holders: FxHashMap::default(),
             workers: Vec::new(),

@@ -1,0 +1,407 @@
+//! One engine: FCFS waiting queue, continuous batching with chunked prefill, decode steps, the paged
+//! cache, KV events and load telemetry. It is stepped by its caller: `begin_step` plans a step and
+//! says how long it takes, `end_step` applies it. Nothing here reads a clock.
+
+use std::collections::VecDeque;
+
+use kvgate_core::{BlockHasher, BlockKey, LoadSnapshot, RequestId, Timestamp};
+use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
+
+use crate::cache::PagedCache;
+use crate::profile::{EngineProfile, Flavor};
+
+/// Batches kept for replay (vLLM and SGLang `buffer_steps` default).
+pub const REPLAY_BUFFER_STEPS: usize = 10_000;
+
+/// A request as submitted to the engine.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// The caller's id.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// Tokens the request generates before it finishes (at least 1).
+    pub output_tokens: u32,
+}
+
+/// One published batch of KV events.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventBatch {
+    /// Sequence number: 0 for the first batch of each engine process, then +1 per batch.
+    pub seq: u64,
+    /// The events.
+    pub events: Vec<KvEvent>,
+}
+
+/// A request that left the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub id: RequestId,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+    /// Tokens generated.
+    pub output_tokens: u64,
+}
+
+/// What a step did.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutcome {
+    /// Requests whose first token was produced in this step.
+    pub first_tokens: Vec<RequestId>,
+    /// Requests that finished in this step.
+    pub finished: Vec<Finished>,
+    /// KV events published at the end of the step, if any.
+    pub batch: Option<EventBatch>,
+}
+
+#[derive(Debug)]
+struct Active {
+    id: RequestId,
+    /// Dropped once the prompt's blocks are published.
+    tokens: Vec<u32>,
+    hashes: Vec<EngineHash>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    /// Leading prompt blocks taken from the cache at admission.
+    matched_blocks: usize,
+    prefilled: u64,
+    output_tokens: u32,
+    generated: u32,
+    /// Private blocks held (partial prompt tail, decode, and full blocks until published).
+    private_blocks: u64,
+    /// Uncached tokens estimated at arrival, for telemetry while queued.
+    uncached_at_arrival: u64,
+}
+
+impl Active {
+    fn prefill_left(&self) -> u64 {
+        self.prompt_tokens - self.cached_tokens - self.prefilled
+    }
+}
+
+/// The plan of the step in progress: per running request, decode (true) or a prefill chunk.
+#[derive(Debug, Default)]
+struct Plan {
+    work: Vec<(usize, u64)>,
+}
+
+/// One engine process and its successors across restarts.
+#[derive(Debug)]
+pub struct Engine {
+    profile: EngineProfile,
+    hasher: BlockHasher,
+    salt: u64,
+    next_seq: u64,
+    waiting: VecDeque<Active>,
+    running: Vec<Active>,
+    cache: PagedCache,
+    plan: Option<Plan>,
+    pending_events: Vec<KvEvent>,
+    history: VecDeque<EventBatch>,
+    /// Totals since start: prompt tokens admitted and those served from the cache.
+    pub prompt_tokens_total: u64,
+    /// Prompt tokens served from the prefix cache since start.
+    pub cached_tokens_total: u64,
+}
+
+impl Engine {
+    /// A fresh engine with an empty cache. `salt` seeds its block hashes, as a process-random seed
+    /// does in vLLM before 0.29; a restart changes it.
+    pub fn new(profile: EngineProfile, salt: u64) -> Self {
+        let capacity = profile.kv_capacity_tokens / profile.block_size.max(1) as u64;
+        let mut engine = Engine {
+            hasher: BlockHasher::new(),
+            salt,
+            next_seq: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cache: PagedCache::new(capacity),
+            plan: None,
+            pending_events: Vec::new(),
+            history: VecDeque::new(),
+            prompt_tokens_total: 0,
+            cached_tokens_total: 0,
+            profile,
+        };
+        engine.start_process();
+        engine
+    }
+
+    fn start_process(&mut self) {
+        if self.profile.flavor == Flavor::Sglang {
+            self.pending_events.push(KvEvent::AllBlocksCleared);
+        }
+    }
+
+    /// The engine's profile.
+    pub fn profile(&self) -> &EngineProfile {
+        &self.profile
+    }
+
+    /// Queues a request.
+    pub fn submit(&mut self, req: EngineRequest) {
+        let bs = self.profile.block_size as usize;
+        let mut hashes = Vec::with_capacity(req.tokens.len() / bs);
+        let mut keys = Vec::with_capacity(req.tokens.len() / bs);
+        self.hasher
+            .extend_keys(BlockKey(self.salt), &req.tokens, bs, &mut keys);
+        hashes.extend(keys.into_iter().map(|k| EngineHash(k.0)));
+        let prompt_tokens = req.tokens.len() as u64;
+        let matched = self.cache.match_prefix(&hashes) as u64 * bs as u64;
+        self.waiting.push_back(Active {
+            id: req.id,
+            tokens: req.tokens,
+            hashes,
+            prompt_tokens,
+            cached_tokens: 0,
+            matched_blocks: 0,
+            prefilled: 0,
+            output_tokens: req.output_tokens.max(1),
+            generated: 0,
+            private_blocks: 0,
+            uncached_at_arrival: prompt_tokens - matched.min(prompt_tokens.saturating_sub(1)),
+        });
+    }
+
+    /// Whether a step is planned or could be.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Plans the next step and returns its duration in microseconds, or `None` when there is nothing
+    /// to do (or nothing can be admitted and nothing runs).
+    pub fn begin_step(&mut self) -> Option<u64> {
+        debug_assert!(self.plan.is_none(), "begin_step twice");
+        let bs = self.profile.block_size as u64;
+        let mut budget = self.profile.chunk_budget as u64;
+        let mut plan = Plan::default();
+        let (mut n, mut context, mut prefill) = (0u64, 0u64, 0u64);
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefill_left() == 0 && budget > 0 {
+                plan.work.push((i, 0));
+                n += 1;
+                context += r.prompt_tokens + r.generated as u64;
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            let left = r.prefill_left();
+            if left > 0 && budget > 0 {
+                let chunk = left.min(budget);
+                plan.work.push((i, chunk));
+                prefill += chunk;
+                budget -= chunk;
+            }
+        }
+        while budget > 0 && (self.running.len() as u32) < self.profile.max_running {
+            let Some(next) = self.waiting.front() else {
+                break;
+            };
+            let matched = self.cache.match_prefix(&next.hashes);
+            let full = next.hashes.len();
+            let tail = u64::from(next.prompt_tokens % bs != 0);
+            let decode = (next.output_tokens as u64).div_ceil(bs);
+            let need = (full - matched) as u64 + tail + decode;
+            let pinned = self.cache.unreferenced_among(&next.hashes[..matched]);
+            if !self.cache.can_allocate(need, pinned) {
+                break;
+            }
+            let mut r = self.waiting.pop_front().expect("front exists");
+            for h in &r.hashes[..matched] {
+                self.cache.acquire(*h);
+            }
+            let allocated = self.cache.allocate_private(need, &mut self.pending_events);
+            debug_assert!(allocated);
+            r.private_blocks = need;
+            r.matched_blocks = matched;
+            // A fully cached prompt still computes its last token to produce logits.
+            r.cached_tokens = (matched as u64 * bs).min(r.prompt_tokens.saturating_sub(1));
+            self.prompt_tokens_total += r.prompt_tokens;
+            self.cached_tokens_total += r.cached_tokens;
+            let chunk = r.prefill_left().min(budget);
+            self.running.push(r);
+            plan.work.push((self.running.len() - 1, chunk));
+            prefill += chunk;
+            budget -= chunk;
+        }
+        if plan.work.is_empty() {
+            return None;
+        }
+        let micros = self.profile.step_micros(n, context, prefill);
+        self.plan = Some(plan);
+        Some(micros)
+    }
+
+    /// Applies the planned step.
+    pub fn end_step(&mut self) -> StepOutcome {
+        let mut out = StepOutcome::default();
+        let Some(plan) = self.plan.take() else {
+            return out;
+        };
+        for (i, chunk) in plan.work {
+            let r = &mut self.running[i];
+            if chunk == 0 {
+                r.generated += 1;
+                continue;
+            }
+            r.prefilled += chunk;
+            if r.prefill_left() == 0 {
+                r.generated = 1;
+                out.first_tokens.push(r.id);
+                let r = &mut self.running[i];
+                let (start, hashes) = (r.matched_blocks, std::mem::take(&mut r.hashes));
+                let tokens = std::mem::take(&mut r.tokens);
+                r.private_blocks -= (hashes.len() - start) as u64;
+                self.publish(&hashes, &tokens, start);
+                self.running[i].hashes = hashes;
+            }
+        }
+        // Finished requests leave; the rest keep their FCFS order for the next step's prefill chunks.
+        let mut kept = Vec::with_capacity(self.running.len());
+        for r in std::mem::take(&mut self.running) {
+            if r.prefill_left() == 0 && r.generated >= r.output_tokens {
+                for h in &r.hashes {
+                    self.cache.release(*h);
+                }
+                self.cache.free_private(r.private_blocks);
+                out.finished.push(Finished {
+                    id: r.id,
+                    prompt_tokens: r.prompt_tokens,
+                    cached_tokens: r.cached_tokens,
+                    output_tokens: r.generated as u64,
+                });
+            } else {
+                kept.push(r);
+            }
+        }
+        self.running = kept;
+        out.batch = self.flush_events();
+        out
+    }
+
+    /// Publishes the prompt blocks from `start` on, as chained `BlockStored` runs.
+    fn publish(&mut self, hashes: &[EngineHash], tokens: &[u32], start: usize) {
+        let bs = self.profile.block_size as usize;
+        let mut run: Vec<usize> = Vec::new();
+        let flush = |run: &mut Vec<usize>, events: &mut Vec<KvEvent>| {
+            if let (Some(&first), Some(&last)) = (run.first(), run.last()) {
+                events.push(KvEvent::BlockStored(BlockStored {
+                    block_hashes: run.iter().map(|&j| hashes[j]).collect(),
+                    parent_block_hash: first.checked_sub(1).map(|p| hashes[p]),
+                    token_ids: tokens[first * bs..(last + 1) * bs].to_vec(),
+                    block_size: bs as u32,
+                    medium: Some("GPU".into()),
+                    ..BlockStored::default()
+                }));
+                run.clear();
+            }
+        };
+        for j in start..hashes.len() {
+            if self.cache.publish(hashes[j]) {
+                run.push(j);
+            } else {
+                flush(&mut run, &mut self.pending_events);
+            }
+        }
+        flush(&mut run, &mut self.pending_events);
+    }
+
+    fn flush_events(&mut self) -> Option<EventBatch> {
+        if self.pending_events.is_empty() {
+            return None;
+        }
+        let batch = EventBatch {
+            seq: self.next_seq,
+            events: std::mem::take(&mut self.pending_events),
+        };
+        self.next_seq += 1;
+        self.history.push_back(batch.clone());
+        if self.history.len() > REPLAY_BUFFER_STEPS {
+            self.history.pop_front();
+        }
+        Some(batch)
+    }
+
+    /// Publishes events queued outside a step (SGLang's start-up clear), if any.
+    pub fn flush_idle(&mut self) -> Option<EventBatch> {
+        if self.plan.is_some() {
+            return None;
+        }
+        self.flush_events()
+    }
+
+    /// The buffered batches with `seq >= from`, as the replay socket returns them.
+    pub fn replay(&self, from: u64) -> Vec<EventBatch> {
+        self.history
+            .iter()
+            .filter(|b| b.seq >= from)
+            .cloned()
+            .collect()
+    }
+
+    /// Load telemetry as the engine would report it at `now`.
+    pub fn load(&self, now: Timestamp) -> LoadSnapshot {
+        let queued: u64 = self.waiting.iter().map(|r| r.uncached_at_arrival).sum();
+        let prefilling: u64 = self.running.iter().map(Active::prefill_left).sum();
+        let decode: u64 = self
+            .running
+            .iter()
+            .map(|r| (r.output_tokens - r.generated.min(r.output_tokens)) as u64)
+            .sum();
+        LoadSnapshot {
+            waiting_requests: self.waiting.len() as u64,
+            waiting_tokens: queued + prefilling,
+            running_requests: self.running.len() as u64,
+            active_decode_tokens: decode,
+            kv_usage: self.cache.used_blocks() as f64 / self.cache.capacity_blocks().max(1) as f64,
+            observed_at: now,
+        }
+    }
+
+    /// Leading tokens of `tokens` whose full blocks are in the prefix cache right now.
+    pub fn cached_prefix_tokens(&mut self, tokens: &[u32]) -> u64 {
+        let bs = self.profile.block_size as usize;
+        let mut keys = Vec::new();
+        self.hasher
+            .extend_keys(BlockKey(self.salt), tokens, bs, &mut keys);
+        let hashes: Vec<EngineHash> = keys.into_iter().map(|k| EngineHash(k.0)).collect();
+        (self.cache.match_prefix(&hashes) * bs) as u64
+    }
+
+    /// Requests queued.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests in the running batch.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Blocks in the prefix cache.
+    pub fn cached_blocks(&self) -> usize {
+        self.cache.cached_blocks()
+    }
+
+    /// Kills the process and starts a new one: every request fails, the cache is empty, sequence
+    /// numbers restart at 0 and block hashes get a new seed. Returns the failed requests.
+    pub fn restart(&mut self, new_salt: u64) -> Vec<RequestId> {
+        let failed = self
+            .waiting
+            .drain(..)
+            .chain(self.running.drain(..))
+            .map(|r| r.id)
+            .collect();
+        self.cache.clear();
+        self.plan = None;
+        self.pending_events.clear();
+        self.history.clear();
+        self.next_seq = 0;
+        self.salt = new_salt;
+        self.start_process();
+        failed
+    }
+}

@@ -131,18 +131,18 @@ impl PagedCache {
     /// an identical block was already cached (the private copy is freed and the cached one is used).
     pub(crate) fn publish(&mut self, hash: EngineHash) -> bool {
         self.private_blocks = self.private_blocks.saturating_sub(1);
-        if self.blocks.contains_key(&hash) {
-            self.acquire(hash);
-            false
-        } else {
-            self.blocks.insert(
-                hash,
-                Cached {
+        match self.blocks.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.acquire(hash);
+                false
+            }
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(Cached {
                     refs: 1,
                     released_at: 0,
-                },
-            );
-            true
+                });
+                true
+            }
         }
     }
 

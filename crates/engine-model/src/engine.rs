@@ -299,8 +299,8 @@ impl Engine {
                 run.clear();
             }
         };
-        for j in start..hashes.len() {
-            if self.cache.publish(hashes[j]) {
+        for (j, hash) in hashes.iter().enumerate().skip(start) {
+            if self.cache.publish(*hash) {
                 run.push(j);
             } else {
                 flush(&mut run, &mut self.pending_events);

@@ -40,6 +40,9 @@ pub const KV_CAPACITY_TOKENS: Knob = Knob {
     meaning: "tokens of KV cache one worker holds (profile A: 500k); turns reserved tokens into usage for the barrier",
 };
 
+/// Prefixes pinned by distribution seeding beyond which old pins are forgotten.
+pub const MAX_SEEDED_PREFIXES: usize = 1 << 16;
+
 /// A worker as configured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
@@ -205,22 +208,15 @@ impl WorkerState {
     }
 }
 
-/// A request the router holds a reservation for.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Held {
-    pub(crate) slot: WorkerSlot,
-    /// The prefix this request is seeding under cap-one distribution seeding, until its first token.
-    pub(crate) seed: Option<BlockKey>,
-}
-
 /// Every worker's state, indexed by slot.
 #[derive(Debug, Default)]
 pub(crate) struct Fleet {
     pub(crate) workers: Vec<Option<WorkerState>>,
     pub(crate) by_id: FxHashMap<WorkerId, WorkerSlot>,
-    pub(crate) requests: FxHashMap<RequestId, Held>,
-    /// Seeding requests in flight per prefix (first block key).
-    pub(crate) seeds: FxHashMap<BlockKey, u32>,
+    /// The worker holding each in-flight request's reservation.
+    pub(crate) requests: FxHashMap<RequestId, WorkerSlot>,
+    /// cache_aware with distribution seeding: the one owner each prefix (first block key) is pinned to.
+    pub(crate) seeds: FxHashMap<BlockKey, WorkerSlot>,
     free_slots: Vec<WorkerSlot>,
     /// Raw overlap per slot for the decision in progress; kept to avoid an allocation per decision.
     pub(crate) scratch_overlap: Vec<u32>,
@@ -266,26 +262,21 @@ impl Fleet {
         self.by_id.remove(id);
         let dropped = state.ledger.drain();
         for req in &dropped {
-            self.forget_request(*req);
+            self.requests.remove(req);
         }
+        self.seeds.retain(|_, owner| *owner != slot);
         self.free_slots.push(slot);
         Ok((slot, dropped))
     }
 
-    pub(crate) fn release_seed(&mut self, seed: Option<BlockKey>) {
-        if let Some(key) = seed {
-            if let Some(n) = self.seeds.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.seeds.remove(&key);
-                }
+    /// Pins `prefix` to `owner` (cap one: an existing pin is kept).
+    pub(crate) fn seed(&mut self, prefix: BlockKey, owner: WorkerSlot) {
+        if self.seeds.len() >= MAX_SEEDED_PREFIXES && !self.seeds.contains_key(&prefix) {
+            // Bounded memory: forget one pin (deterministically, the first in table order).
+            if let Some(&old) = self.seeds.keys().next() {
+                self.seeds.remove(&old);
             }
         }
-    }
-
-    pub(crate) fn forget_request(&mut self, id: RequestId) -> Option<Held> {
-        let held = self.requests.remove(&id)?;
-        self.release_seed(held.seed);
-        Some(held)
+        self.seeds.entry(prefix).or_insert(owner);
     }
 }

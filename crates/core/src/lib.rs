@@ -62,6 +62,7 @@ mod fleet;
 pub mod hashing;
 pub mod ids;
 pub mod index;
+pub mod kv_stream;
 pub mod ledger;
 pub mod load;
 pub mod policy;

@@ -10,7 +10,7 @@ use rand::RngCore;
 
 use crate::decision::{Decision, FallbackReason, Reason, ScoreTerms, MAX_SCORES};
 use crate::error::CoreError;
-use crate::fleet::{Fleet, Held, WorkerConfig, WorkerStatus};
+use crate::fleet::{Fleet, WorkerConfig, WorkerStatus};
 use crate::hashing::{BlockHasher, Namespace};
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 use crate::index::{ApplyStats, KvIndex, KvState};
@@ -202,6 +202,14 @@ impl Router {
         Ok(())
     }
 
+    /// Forgets every block a worker holds, keeping its state (a restarted engine, a lost history).
+    pub fn clear_kv(&self, id: &WorkerId) -> Result<(), CoreError> {
+        let fleet = self.fleet.lock();
+        let slot = fleet.slot_of(id)?;
+        self.index.write().clear_worker(slot);
+        Ok(())
+    }
+
     /// What an operator sees of one worker.
     pub fn worker_status(&self, id: &WorkerId, now: Timestamp) -> Result<WorkerStatus, CoreError> {
         let fleet = self.fleet.lock();
@@ -244,18 +252,14 @@ impl Router {
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let held = *fleet
+        let slot = *fleet
             .requests
             .get(&id)
             .ok_or(CoreError::UnknownRequest(id))?;
-        if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
+        if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger
                 .first_token(id, now)
                 .map_err(|_| CoreError::UnknownRequest(id))?;
-        }
-        if held.seed.is_some() {
-            fleet.release_seed(held.seed);
-            fleet.requests.insert(id, Held { seed: None, ..held });
         }
         Ok(())
     }
@@ -263,10 +267,11 @@ impl Router {
     /// Releases a request's reservation: it finished, failed or its client went away.
     pub fn release(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let held = fleet
-            .forget_request(id)
+        let slot = fleet
+            .requests
+            .remove(&id)
             .ok_or(CoreError::UnknownRequest(id))?;
-        if let Some(w) = fleet.workers[held.slot.index()].as_mut() {
+        if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger
                 .finish(id, now)
                 .map_err(|_| CoreError::UnknownRequest(id))?;
@@ -293,7 +298,6 @@ impl Router {
             least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
                 .ok_or(DecideError::NoEligibleWorker)?;
 
-        let mut seed = None;
         let (chosen, reason, enforce) = match cfg.name {
             PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),
             PolicyName::Projected => {
@@ -314,8 +318,7 @@ impl Router {
                 }
             }
             PolicyName::CacheAware => {
-                let (choice, reason, seeded) = cache_aware_choice(fleet, &scored, req, draw, &cfg);
-                seed = seeded;
+                let (choice, reason) = cache_aware_choice(fleet, &scored, req, draw, &cfg);
                 (choice, reason, Some((choice, reason)))
             }
         };
@@ -341,16 +344,7 @@ impl Router {
         if answered {
             state.unanswered_dispatch_since = Some(now);
         }
-        if let Some(key) = seed {
-            *fleet.seeds.entry(key).or_insert(0) += 1;
-        }
-        fleet.requests.insert(
-            req.id,
-            Held {
-                slot: winner.slot,
-                seed,
-            },
-        );
+        fleet.requests.insert(req.id, winner.slot);
 
         let id_of = |i: usize| {
             fleet.workers[scored[i].slot.index()]
@@ -486,12 +480,12 @@ fn fallback_reason(scored: &[Scored]) -> Option<FallbackReason> {
 }
 
 fn cache_aware_choice(
-    fleet: &Fleet,
+    fleet: &mut Fleet,
     scored: &[Scored],
     req: &RouteRequest<'_>,
     draw: u64,
     cfg: &PolicyConfig,
-) -> (usize, Reason, Option<BlockKey>) {
+) -> (usize, Reason) {
     let candidates: Vec<cache_aware::Candidate> = scored
         .iter()
         .map(|s| cache_aware::Candidate {
@@ -506,17 +500,28 @@ fn cache_aware_choice(
             },
         })
         .collect();
-    let prefix = req.keys.first().copied();
-    let seed_free = prefix.is_none_or(|k| !fleet.seeds.contains_key(&k));
-    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seed_free, draw)
+    let prefix = req
+        .keys
+        .first()
+        .copied()
+        .filter(|_| cfg.distribution_seeding);
+    let seeded = prefix
+        .and_then(|k| fleet.seeds.get(&k))
+        .and_then(|owner| scored.iter().position(|s| s.slot == *owner));
+    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seeded, draw)
         .expect("non-empty candidates");
+    if let Some(k) = prefix {
+        if seeded.is_none() {
+            // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
+            fleet.seeds.remove(&k);
+        }
+        fleet.seed(k, scored[pick.index()].slot);
+    }
     match pick {
-        cache_aware::Pick::Affinity(i) => (i, Reason::CacheAndLoad, None),
-        cache_aware::Pick::Seed(i) => (i, Reason::LoadOnly, prefix),
+        cache_aware::Pick::Affinity(i) | cache_aware::Pick::Seeded(i) => (i, Reason::CacheAndLoad),
         cache_aware::Pick::Balance(i) => (
             i,
             fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback),
-            None,
         ),
     }
 }

@@ -71,6 +71,14 @@ fn hot_owner_loses_to_idle_peers_when_its_queue_exceeds_recompute() {
 
 #[test]
 fn cache_aware_with_cap_one_seeding_piles_the_burst_onto_the_owner() {
+    // Without seeding, SMG's balance gate moves the burst off the owner.
+    let (plain, prefix) = incident(PolicyConfig::new(PolicyName::CacheAware));
+    let d = decide(
+        &plain,
+        &Req::new(&plain, 0, &hot_prompt(&prefix, 0, 200), 256),
+        T0,
+    );
+    assert_ne!(d.worker, wid(0));
     let policy = PolicyConfig {
         distribution_seeding: true,
         ..PolicyConfig::new(PolicyName::CacheAware)
@@ -84,8 +92,8 @@ fn cache_aware_with_cap_one_seeding_piles_the_burst_onto_the_owner() {
         }
     }
     assert_eq!(
-        on_owner, 48,
-        "one seeding request leaves, the rest stay on the one owner"
+        on_owner, 49,
+        "the hot prefix is pinned to its one owner, whatever its queue"
     );
 }
 

@@ -67,6 +67,8 @@ struct Active {
     cached_tokens: u64,
     /// Leading prompt blocks taken from the cache at admission.
     matched_blocks: usize,
+    /// Leading prompt blocks published to the prefix cache so far (matched ones included).
+    published_blocks: usize,
     prefilled: u64,
     output_tokens: u32,
     generated: u32,
@@ -158,6 +160,7 @@ impl Engine {
             prompt_tokens,
             cached_tokens: 0,
             matched_blocks: 0,
+            published_blocks: 0,
             prefilled: 0,
             output_tokens: req.output_tokens.max(1),
             generated: 0,
@@ -248,15 +251,27 @@ impl Engine {
                 continue;
             }
             r.prefilled += chunk;
+            // Full blocks enter the prefix cache as soon as their tokens are computed, chunk by chunk,
+            // as vLLM and SGLang publish them.
+            let bs = self.profile.block_size as u64;
+            let computed_blocks =
+                (((r.cached_tokens + r.prefilled) / bs) as usize).min(r.hashes.len());
+            let start = r.published_blocks.max(r.matched_blocks);
+            if computed_blocks > start {
+                let hashes = std::mem::take(&mut r.hashes);
+                r.private_blocks -= (computed_blocks - start) as u64;
+                r.published_blocks = computed_blocks;
+                let tokens = std::mem::take(&mut r.tokens);
+                self.publish(&hashes[..computed_blocks], &tokens, start);
+                let r = &mut self.running[i];
+                r.hashes = hashes;
+                r.tokens = tokens;
+            }
+            let r = &mut self.running[i];
             if r.prefill_left() == 0 {
                 r.generated = 1;
+                r.tokens = Vec::new();
                 out.first_tokens.push(r.id);
-                let r = &mut self.running[i];
-                let (start, hashes) = (r.matched_blocks, std::mem::take(&mut r.hashes));
-                let tokens = std::mem::take(&mut r.tokens);
-                r.private_blocks -= (hashes.len() - start) as u64;
-                self.publish(&hashes, &tokens, start);
-                self.running[i].hashes = hashes;
             }
         }
         // Finished requests leave; the rest keep their FCFS order for the next step's prefill chunks.
@@ -384,6 +399,24 @@ impl Engine {
     /// Blocks in the prefix cache.
     pub fn cached_blocks(&self) -> usize {
         self.cache.cached_blocks()
+    }
+
+    /// Aborts every queued and running request (their clients went away, or the network to the
+    /// router broke), keeping the prefix cache. Returns the aborted requests.
+    pub fn abort_all(&mut self) -> Vec<RequestId> {
+        self.plan = None;
+        let mut aborted = Vec::new();
+        for r in self.waiting.drain(..) {
+            aborted.push(r.id);
+        }
+        for r in std::mem::take(&mut self.running) {
+            for h in &r.hashes[..r.published_blocks.max(r.matched_blocks).min(r.hashes.len())] {
+                self.cache.release(*h);
+            }
+            self.cache.free_private(r.private_blocks);
+            aborted.push(r.id);
+        }
+        aborted
     }
 
     /// Kills the process and starts a new one: every request fails, the cache is empty, sequence

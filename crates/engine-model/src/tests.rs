@@ -203,3 +203,17 @@ fn telemetry_reports_queue_decode_and_kv_usage() {
     assert_eq!(busy.active_decode_tokens, 98);
     assert!(busy.kv_usage > 0.0 && busy.kv_usage <= 1.0);
 }
+
+#[test]
+fn aborting_keeps_the_cache_and_frees_every_block_in_use() {
+    let mut e = Engine::new(small_profile(100_000), 1);
+    e.submit(req(1, synthetic_tokens(1, 3000), 100));
+    e.submit(req(2, synthetic_tokens(2, 300), 100));
+    e.begin_step();
+    e.end_step();
+    let aborted = e.abort_all();
+    assert_eq!(aborted.len(), 2);
+    assert!(e.cached_blocks() > 0, "published blocks stay cached");
+    assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0, "nothing is in use");
+    assert!(!e.has_work());
+}

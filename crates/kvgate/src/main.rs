@@ -2,6 +2,7 @@
 //! the library crates.
 
 mod decide;
+mod sim;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -34,6 +35,11 @@ enum Command {
         #[arg(long)]
         compact: bool,
     },
+    /// Simulate a fleet under a routing policy, deterministically, on the CPU.
+    ///
+    /// Scenarios: hot-prefix-51, multi-prefix, mooncake (--trace FILE.jsonl), azure (--trace FILE.csv).
+    /// See docs/simulator.md.
+    Sim(Box<sim::SimArgs>),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +70,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{text}");
             Ok(())
         }
+        Command::Sim(args) => sim::run(*args),
     }
 }
 

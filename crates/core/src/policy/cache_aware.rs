@@ -8,13 +8,14 @@
 //! 4. Balance gate: if the pick's load exceeds both `mean × balance_rel` and `mean + balance_abs`,
 //!    the request goes to `min_idx` instead.
 //!
-//! **Cap-one distribution seeding** (optional) replaces the gate's spill with a controlled replica
-//! build-up: while the gate fires for a prefix, only one request at a time is sent to `min_idx` to
-//! seed a new copy of the prefix (its seed slot is held until that request's first token, when the
-//! new copy's KV events start to arrive); every other request stays on the affinity pick. A burst on
-//! a popular prefix therefore piles onto its one owner — the behaviour of the 51-engine incident.
-//! The projected policy never seeds: replicas grow from ordinary misses once an owner's queue costs
-//! more than recomputing the prefix.
+//! **Cap-one distribution seeding** (optional) pins each prefix (keyed by the request's first block)
+//! to one owner, at most one replica per prefix, so that the fleet's KV cache holds as many distinct
+//! prefixes as possible. The first request of a prefix is placed by the rule above, except that the
+//! balance gate does not move it off a worker that already holds the prefix; every later request of
+//! that prefix goes to the pinned owner while it is eligible. A popular prefix therefore stays on one
+//! engine however long its queue grows: the behaviour of the 51-engine incident. The projected policy
+//! never seeds: replicas grow from ordinary misses once an owner's queue costs more than recomputing
+//! the prefix.
 //!
 //! In-flight counts are the reconciled waiting plus running requests, which equal SMG's router-local
 //! counts when one router sends all traffic and also see load from other routers when telemetry does.
@@ -40,28 +41,32 @@ pub enum Pick {
     Affinity(usize),
     /// `min_idx`: nothing cached, or the balance gate fired.
     Balance(usize),
-    /// `min_idx`, as the prefix's one seeding request.
-    Seed(usize),
+    /// The prefix's pinned owner (distribution seeding).
+    Seeded(usize),
 }
 
 impl Pick {
     /// The chosen candidate.
     pub fn index(self) -> usize {
         match self {
-            Pick::Affinity(i) | Pick::Balance(i) | Pick::Seed(i) => i,
+            Pick::Affinity(i) | Pick::Balance(i) | Pick::Seeded(i) => i,
         }
     }
 }
 
-/// Applies the rule. `seed_slot_free` says whether the request's prefix has no seeding request in
-/// flight (only consulted with distribution seeding on). Returns `None` with no candidates.
+/// Applies the rule. `seeded_owner` is the candidate the request's prefix is pinned to, if any (only
+/// consulted with distribution seeding on). Returns `None` with no candidates.
 pub fn pick(
     candidates: &[Candidate],
     request_blocks: usize,
     cfg: &PolicyConfig,
-    seed_slot_free: bool,
+    seeded_owner: Option<usize>,
     draw: u64,
 ) -> Option<Pick> {
+    if let Some(owner) = seeded_owner.filter(|o| cfg.distribution_seeding && *o < candidates.len())
+    {
+        return Some(Pick::Seeded(owner));
+    }
     let min_idx = (0..candidates.len())
         .min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
     let best_overlap = candidates
@@ -89,11 +94,10 @@ pub fn pick(
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
     let load = candidates[selected].in_flight as f64;
     let gate = load > mean * cfg.balance_rel && load > mean + cfg.balance_abs as f64;
-    Some(match (gate, cfg.distribution_seeding) {
-        (false, _) => Pick::Affinity(selected),
-        (true, false) => Pick::Balance(min_idx),
-        (true, true) if seed_slot_free && min_idx != selected => Pick::Seed(min_idx),
-        (true, true) => Pick::Affinity(selected),
+    Some(if gate && !cfg.distribution_seeding {
+        Pick::Balance(min_idx)
+    } else {
+        Pick::Affinity(selected)
     })
 }
 
@@ -117,27 +121,41 @@ mod tests {
     fn longest_holder_wins_until_the_balance_gate_fires() {
         let cfg = PolicyConfig::new(PolicyName::CacheAware);
         let c = cands(&[(5, 4), (0, 0), (0, 2)]);
-        assert_eq!(pick(&c, 4, &cfg, true, 0), Some(Pick::Affinity(0)));
+        assert_eq!(pick(&c, 4, &cfg, None, 0), Some(Pick::Affinity(0)));
         let c = cands(&[(200, 4), (0, 0), (0, 2)]);
-        assert_eq!(pick(&c, 4, &cfg, true, 0), Some(Pick::Balance(1)));
+        assert_eq!(pick(&c, 4, &cfg, None, 0), Some(Pick::Balance(1)));
     }
 
     #[test]
-    fn cap_one_seeding_sends_one_request_away_and_keeps_the_rest_on_the_owner() {
+    fn cap_one_seeding_keeps_a_prefix_on_its_one_owner_past_the_balance_gate() {
         let cfg = PolicyConfig {
             distribution_seeding: true,
             ..PolicyConfig::new(PolicyName::CacheAware)
         };
         let c = cands(&[(200, 4), (0, 0), (0, 0)]);
-        assert_eq!(pick(&c, 4, &cfg, true, 0), Some(Pick::Seed(1)));
-        assert_eq!(pick(&c, 4, &cfg, false, 0), Some(Pick::Affinity(0)));
+        assert_eq!(
+            pick(&c, 4, &cfg, None, 0),
+            Some(Pick::Affinity(0)),
+            "the holder is seeded, gate or not"
+        );
+        assert_eq!(
+            pick(&c, 4, &cfg, Some(2), 0),
+            Some(Pick::Seeded(2)),
+            "a pinned prefix goes to its owner"
+        );
+        let plain = PolicyConfig::new(PolicyName::CacheAware);
+        assert_eq!(
+            pick(&c, 4, &plain, Some(2), 0),
+            Some(Pick::Balance(1)),
+            "pins mean nothing without seeding"
+        );
     }
 
     #[test]
     fn nothing_cached_goes_to_the_least_loaded() {
         let cfg = PolicyConfig::new(PolicyName::CacheAware);
         let c = cands(&[(3, 0), (1, 0), (2, 0)]);
-        assert_eq!(pick(&c, 4, &cfg, true, 7), Some(Pick::Balance(1)));
-        assert_eq!(pick(&[], 4, &cfg, true, 7), None);
+        assert_eq!(pick(&c, 4, &cfg, None, 7), Some(Pick::Balance(1)));
+        assert_eq!(pick(&[], 4, &cfg, None, 7), None);
     }
 }

@@ -1,0 +1,217 @@
+//! `kvgate sim`: flags to a simulator configuration, runs, and output.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use kvgate_core::{Mode, PolicyConfig};
+use kvgate_engine_model::EngineProfile;
+use kvgate_sim::faults;
+use kvgate_sim::policy::PolicySpec;
+use kvgate_sim::workload::{self, Workload, WorkloadParams};
+use kvgate_sim::{report, SimConfig};
+
+/// Output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// A fixed-width table.
+    Table,
+    /// One JSON report, or `{"runs": [...]}` with --compare.
+    Json,
+}
+
+/// Flags of `kvgate sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Scenario: hot-prefix-51, multi-prefix, mooncake or azure.
+    #[arg(long, default_value = "hot-prefix-51")]
+    scenario: String,
+    /// Trace file for mooncake (JSONL) and azure (CSV) replays.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Policy: round_robin, random, least_load, power_of_two, cache_aware, cache_aware_seeded,
+    /// sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or projected:off|shadow|enforce).
+    #[arg(long, default_value = "projected")]
+    policy: String,
+    /// Mode of the projected policy.
+    #[arg(long)]
+    mode: Option<String>,
+    /// Run several policies on identical arrivals and print one table, e.g.
+    /// `cache_aware_seeded,least_load,projected:off,projected:enforce`.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// Seed of arrivals and every random choice.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Write per-engine queue depth over time and TTFT percentiles per policy to this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Engines in the fleet (scenario default: 51 for hot-prefix-51, 16 otherwise).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Arrivals per second (synthetic scenarios).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seconds of arrivals (synthetic scenarios).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Trace replay: divide trace timestamps by this.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Trace replay: use only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Engine profile: large-moe-h200 (a, default) or llama3-8b-h100 (b).
+    #[arg(long, default_value = "large-moe-h200")]
+    profile: String,
+    /// Inject a fault (repeatable): kv-delay, kv-loss, kv-loss-no-replay, disconnect, restart,
+    /// stale-telemetry. Engine faults hit the hot owner (engine 0 by default).
+    #[arg(long = "fault")]
+    faults: Vec<String>,
+    /// Projected policy: escape when the cache winner's queue exceeds the load-only winner's by this.
+    #[arg(long)]
+    escape_seconds: Option<f64>,
+    /// Projected policy: escape when the cache winner has this many more waiting requests.
+    #[arg(long)]
+    escape_waiting: Option<u64>,
+    /// Router admission: reject above this projected wait in seconds (0 disables).
+    #[arg(long, default_value_t = 30.0)]
+    admission_wait_s: f64,
+    /// Load poll interval in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    poll_ms: u64,
+    /// KV event delivery delay in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    kv_delay_ms: u64,
+}
+
+fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
+    let params = WorkloadParams {
+        workers: a.workers,
+        rate: a.rate,
+        duration_s: a.duration,
+        seed: a.seed,
+    };
+    if let Some(rate) = a.rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--rate must be a positive number, got {rate}");
+        }
+    }
+    if let Some(d) = a.duration {
+        if !(d.is_finite() && d > 0.0 && d <= 86_400.0) {
+            bail!("--duration must be a number of seconds in (0, 86400], got {d}");
+        }
+    }
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        bail!("--speedup must be a positive number, got {}", a.speedup);
+    }
+    if a.workers == Some(0) || a.workers.is_some_and(|w| w > 4096) {
+        bail!("--workers must be between 1 and 4096");
+    }
+    let trace =
+        |default: &str| -> PathBuf { a.trace.clone().unwrap_or_else(|| PathBuf::from(default)) };
+    Ok(match a.scenario.as_str() {
+        "hot-prefix-51" => workload::hot_prefix_51(params),
+        "multi-prefix" => workload::multi_prefix(params),
+        "mooncake" => workload::mooncake(
+            &trace("../shared/data/traces/mooncake_conversation_trace.jsonl"),
+            a.workers.unwrap_or(16),
+            a.speedup,
+            a.limit,
+        )?,
+        "azure" => workload::azure(
+            &trace("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+            a.workers.unwrap_or(16),
+            a.speedup,
+            a.limit,
+        )?,
+        other => bail!(
+            "unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, mooncake or azure"
+        ),
+    })
+}
+
+fn specs(a: &SimArgs) -> anyhow::Result<Vec<PolicySpec>> {
+    if !a.compare.is_empty() {
+        return a
+            .compare
+            .iter()
+            .map(|s| PolicySpec::parse(s.trim()).map_err(Into::into))
+            .collect();
+    }
+    let mut spec = PolicySpec::parse(&a.policy)?;
+    if let Some(mode) = &a.mode {
+        if spec.name != "projected" {
+            bail!("--mode applies to the projected policy, not {}", spec.name);
+        }
+        spec.mode = Some(mode.parse::<Mode>()?);
+    }
+    Ok(vec![spec])
+}
+
+/// Runs `kvgate sim`.
+pub fn run(a: SimArgs) -> anyhow::Result<()> {
+    let workload = load_workload(&a).context("cannot build the workload")?;
+    let profile = EngineProfile::by_name(&a.profile).with_context(|| {
+        format!(
+            "unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)",
+            a.profile
+        )
+    })?;
+    let mut knobs = PolicyConfig::default();
+    knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
+    knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
+    knobs.validate()?;
+    if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {
+        bail!("--admission-wait-s must be a non-negative number of seconds");
+    }
+    let start = workload
+        .requests
+        .iter()
+        .find(|r| r.direct_to.is_none())
+        .map_or(Default::default(), |r| r.arrival);
+    let end = workload.requests.last().map_or(start, |r| r.arrival);
+    let span = end.saturating_since(start).max(Duration::from_secs(1));
+    let target = workload.hot_owner.unwrap_or(0);
+    let faults = a
+        .faults
+        .iter()
+        .map(|f| faults::named(f, target, start, span))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut reports = Vec::new();
+    for spec in specs(&a)? {
+        let mut cfg = SimConfig::new(profile.clone(), spec, a.seed);
+        cfg.knobs = knobs.clone();
+        cfg.faults = faults.clone();
+        cfg.admission_wait_s = a.admission_wait_s;
+        cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
+        cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
+        cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
+        reports.push(kvgate_sim::run(&workload, cfg)?);
+    }
+    if let Some(path) = &a.plot {
+        std::fs::write(path, kvgate_sim::plot::svg(&reports))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    match a.format {
+        Format::Table => {
+            println!(
+                "scenario {} ({} engines, profile {}, seed {})",
+                workload.name, workload.workers, profile.name, a.seed
+            );
+            print!("{}", report::table(&reports));
+        }
+        Format::Json if a.compare.is_empty() => {
+            println!("{}", serde_json::to_string_pretty(&reports[0])?)
+        }
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?
+        ),
+    }
+    Ok(())
+}

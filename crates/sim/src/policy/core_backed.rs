@@ -1,0 +1,96 @@
+//! kvgate's own policies and the SMG cache_aware baseline, run by the real core `Router`: the same
+//! decision code as the gateway, fed by the simulator's modelled telemetry and event paths.
+
+use kvgate_core::{
+    KvState, LoadSnapshot, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig,
+    WorkerId,
+};
+use kvgate_protocol::KvEvent;
+use rand_chacha::ChaCha8Rng;
+
+use super::{FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerView};
+use crate::SimError;
+
+/// A policy decided by the core.
+#[derive(Debug)]
+pub struct CorePolicy {
+    router: Router,
+    ids: Vec<WorkerId>,
+}
+
+impl CorePolicy {
+    /// A core router over `fleet` with `policy`.
+    pub fn new(fleet: &FleetInfo, policy: PolicyConfig) -> Result<Self, SimError> {
+        let router =
+            Router::new(fleet.block_size, policy).map_err(|e| SimError::Config(e.to_string()))?;
+        let ids: Vec<WorkerId> = (0..fleet.workers)
+            .map(|i| WorkerId::new(format!("w{i}")))
+            .collect();
+        for id in &ids {
+            let config = WorkerConfig {
+                id: id.clone(),
+                prefill_tokens_per_s: fleet.prefill_tokens_per_s,
+                decode_tokens_per_s: fleet.decode_tokens_per_s,
+                kv_capacity_tokens: fleet.kv_capacity_tokens,
+            };
+            router
+                .add_worker(config, KvState::Synced)
+                .map_err(|e| SimError::Config(e.to_string()))?;
+        }
+        Ok(CorePolicy { router, ids })
+    }
+
+    fn index_of(&self, id: &WorkerId) -> usize {
+        id.as_str()[1..].parse().expect("ids are w<index>")
+    }
+}
+
+impl SimPolicy for CorePolicy {
+    fn decide(
+        &mut self,
+        req: &PolicyRequest<'_>,
+        _view: &[WorkerView],
+        now: Timestamp,
+        rng: &mut ChaCha8Rng,
+    ) -> Option<Pick> {
+        let route = RouteRequest {
+            id: req.id,
+            keys: req.keys,
+            prompt_tokens: req.prompt_tokens,
+            max_tokens: req.max_tokens,
+        };
+        let d = self.router.decide(&route, now, rng).ok()?;
+        Some(Pick {
+            worker: self.index_of(&d.worker),
+            reason: Some(d.reason),
+            shadow_disagrees: (d.mode == kvgate_core::Mode::Shadow).then(|| d.shadow_disagrees()),
+        })
+    }
+
+    fn on_load(&mut self, worker: usize, snapshot: &LoadSnapshot) {
+        let _ = self.router.update_load(&self.ids[worker], *snapshot);
+    }
+
+    fn on_kv_events(&mut self, worker: usize, events: &[KvEvent], now: Timestamp) {
+        let _ = self.router.apply_kv_events(&self.ids[worker], events, now);
+    }
+
+    fn on_kv_state(&mut self, worker: usize, state: KvState, clear: bool) {
+        if clear {
+            let _ = self.router.clear_kv(&self.ids[worker]);
+        }
+        let _ = self.router.set_kv_state(&self.ids[worker], state);
+    }
+
+    fn on_first_token(&mut self, id: RequestId, now: Timestamp) {
+        let _ = self.router.first_token(id, now);
+    }
+
+    fn on_finish(&mut self, id: RequestId, now: Timestamp) {
+        let _ = self.router.release(id, now);
+    }
+
+    fn on_health(&mut self, worker: usize, healthy: bool) {
+        let _ = self.router.set_eligible(&self.ids[worker], healthy);
+    }
+}

@@ -1,0 +1,599 @@
+//! The discrete-event loop: engines, the modelled telemetry and KV-event paths, faults, and one
+//! routing policy, in logical time.
+
+use std::time::Duration;
+
+use kvgate_core::kv_stream::{LiveAction, StreamTracker};
+use kvgate_core::{BlockHasher, BlockKey, KvState, Namespace, PolicyConfig, RequestId, Timestamp};
+use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, StepOutcome};
+use kvgate_protocol::KvEvent;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rustc_hash::FxHashMap;
+
+use crate::faults::Fault;
+use crate::policy::{self, FleetInfo, PolicyRequest, PolicySpec, SimPolicy, WorkerView};
+use crate::report::{Outcome, Recorder, Report};
+use crate::workload::Workload;
+use crate::SimError;
+
+/// Everything a run needs besides the workload.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Engine profile of every engine.
+    pub profile: EngineProfile,
+    /// The routing policy.
+    pub policy: PolicySpec,
+    /// Knobs of the projected policy (its name and mode are taken from `policy`).
+    pub knobs: PolicyConfig,
+    /// Seed of every random choice in the run.
+    pub seed: u64,
+    /// How often the router polls each engine's load.
+    pub poll_interval: Duration,
+    /// Normal delivery delay of a KV batch from engine to router.
+    pub kv_delay: Duration,
+    /// Time for a replay request to be answered.
+    pub replay_delay: Duration,
+    /// Time for health checks to notice an engine going away or coming back.
+    pub health_detect: Duration,
+    /// Router admission: reject when the chosen engine's projected wait (its reported queue plus what
+    /// was sent since, over its prefill rate, plus its decode backlog) exceeds this; 0 disables.
+    pub admission_wait_s: f64,
+    /// Injected faults.
+    pub faults: Vec<Fault>,
+    /// Extra time after the last arrival before the run stops and counts what is left as unfinished.
+    pub drain: Duration,
+    /// Sample per-engine queue depth at this interval for plots (`None`: don't).
+    pub timeline: Option<Duration>,
+}
+
+impl SimConfig {
+    /// Defaults for `policy` on engines of `profile`.
+    pub fn new(profile: EngineProfile, policy: PolicySpec, seed: u64) -> Self {
+        SimConfig {
+            profile,
+            policy,
+            knobs: PolicyConfig::default(),
+            seed,
+            poll_interval: Duration::from_millis(200),
+            kv_delay: Duration::from_millis(5),
+            replay_delay: Duration::from_millis(20),
+            health_detect: Duration::from_secs(1),
+            admission_wait_s: 30.0,
+            faults: Vec::new(),
+            drain: Duration::from_secs(900),
+            timeline: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Ev {
+    Arrival(usize),
+    StepEnd(usize, u64),
+    Poll(usize),
+    Deliver(usize, EventBatch),
+    ReplayReply(usize, u64),
+    Disconnect(usize, Duration),
+    Reconnect(usize),
+    Health(usize, bool),
+    Restart(usize),
+    Sample,
+}
+
+struct Host {
+    engine: Engine,
+    /// Process generation: step-end events of an earlier process are ignored.
+    epoch: u64,
+    stepping: bool,
+    connected: bool,
+    tracker: StreamTracker<Vec<KvEvent>>,
+    polls_fail_from: Option<Timestamp>,
+    polls_fail_until: Option<Timestamp>,
+    max_waiting: u64,
+}
+
+struct InFlight {
+    worker: usize,
+    request: usize,
+}
+
+/// One simulation run.
+pub struct Simulation<'w> {
+    workload: &'w Workload,
+    cfg: SimConfig,
+    policy: Box<dyn SimPolicy>,
+    hosts: Vec<Host>,
+    view: Vec<WorkerView>,
+    queue: crate::queue::EventQueue<Ev>,
+    rng: ChaCha8Rng,
+    hasher: BlockHasher,
+    in_flight: FxHashMap<RequestId, InFlight>,
+    rec: Recorder,
+    kv_extra: Duration,
+    kv_jitter: Duration,
+    kv_loss: f64,
+    replay: bool,
+    fleet_block: usize,
+    next_background: u64,
+}
+
+const BACKGROUND_IDS: u64 = 1 << 62;
+
+impl<'w> Simulation<'w> {
+    /// Prepares a run of `workload` under `cfg`.
+    pub fn new(workload: &'w Workload, cfg: SimConfig) -> Result<Self, SimError> {
+        if workload.workers == 0 {
+            return Err(SimError::Config(
+                "the fleet needs at least one engine".into(),
+            ));
+        }
+        let p = &cfg.profile;
+        let fleet = FleetInfo {
+            workers: workload.workers,
+            block_size: p.block_size,
+            prefill_tokens_per_s: p.prefill_tokens_per_s,
+            decode_tokens_per_s: p.decode_tokens_per_s(64, 4096),
+            kv_capacity_tokens: p.kv_capacity_tokens,
+        };
+        let policy = policy::build(&cfg.policy, &fleet, &cfg.knobs)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+        let hosts = (0..workload.workers)
+            .map(|_| Host {
+                engine: Engine::new(cfg.profile.clone(), rng.random()),
+                epoch: 0,
+                stepping: false,
+                connected: true,
+                tracker: StreamTracker::new(),
+                polls_fail_from: None,
+                polls_fail_until: None,
+                max_waiting: 0,
+            })
+            .collect();
+        let view = vec![
+            WorkerView {
+                healthy: true,
+                ..WorkerView::default()
+            };
+            workload.workers
+        ];
+        let (mut kv_extra, mut kv_jitter, mut kv_loss, mut replay) =
+            (Duration::ZERO, Duration::ZERO, 0.0, true);
+        for f in &cfg.faults {
+            match *f {
+                Fault::KvDelay { extra, jitter } => {
+                    kv_extra = extra;
+                    kv_jitter = jitter;
+                }
+                Fault::KvLoss {
+                    probability,
+                    replay: r,
+                } => {
+                    if !(0.0..=1.0).contains(&probability) {
+                        return Err(SimError::Config(format!(
+                            "kv loss probability {probability} is not in 0..1"
+                        )));
+                    }
+                    kv_loss = probability;
+                    replay = r;
+                }
+                Fault::Disconnect { worker, .. }
+                | Fault::Restart { worker, .. }
+                | Fault::StaleTelemetry { worker, .. }
+                    if worker >= workload.workers =>
+                {
+                    return Err(SimError::Config(format!(
+                        "fault targets engine {worker}, the fleet has {}",
+                        workload.workers
+                    )));
+                }
+                _ => {}
+            }
+        }
+        let rec = Recorder::new(workload, &cfg);
+        Ok(Simulation {
+            fleet_block: p.block_size as usize,
+            workload,
+            policy,
+            hosts,
+            view,
+            queue: crate::queue::EventQueue::default(),
+            rng,
+            hasher: BlockHasher::new(),
+            in_flight: FxHashMap::default(),
+            rec,
+            kv_extra,
+            kv_jitter,
+            kv_loss,
+            replay,
+            next_background: BACKGROUND_IDS,
+            cfg,
+        })
+    }
+
+    /// Runs to completion (or to the drain limit) and reports.
+    pub fn run(mut self) -> Report {
+        for (i, r) in self.workload.requests.iter().enumerate() {
+            self.queue.push(r.arrival, Ev::Arrival(i));
+        }
+        for w in 0..self.hosts.len() {
+            self.queue.push(Timestamp::ZERO, Ev::Poll(w));
+            if let Some(batch) = self.hosts[w].engine.flush_idle() {
+                self.send_batch(w, batch, Timestamp::ZERO);
+            }
+        }
+        for f in self.cfg.faults.clone() {
+            match f {
+                Fault::Disconnect {
+                    worker,
+                    at,
+                    duration,
+                } => self.queue.push(at, Ev::Disconnect(worker, duration)),
+                Fault::Restart { worker, at } => self.queue.push(at, Ev::Restart(worker)),
+                Fault::StaleTelemetry {
+                    worker,
+                    from,
+                    until,
+                } => {
+                    self.hosts[worker].polls_fail_from = Some(from);
+                    self.hosts[worker].polls_fail_until = Some(until);
+                }
+                _ => {}
+            }
+        }
+        if self.cfg.timeline.is_some() {
+            self.queue.push(Timestamp::ZERO, Ev::Sample);
+        }
+        let last_arrival = self
+            .workload
+            .requests
+            .last()
+            .map_or(Timestamp::ZERO, |r| r.arrival);
+        let stop = last_arrival.saturating_add(self.cfg.drain);
+        let mut now = Timestamp::ZERO;
+        while let Some((at, ev)) = self.queue.pop() {
+            if at > stop {
+                break;
+            }
+            now = at;
+            self.handle(now, ev);
+            if self.rec.all_done() && now >= last_arrival {
+                break;
+            }
+        }
+        let unfinished: Vec<RequestId> = self.in_flight.keys().copied().collect();
+        for id in unfinished {
+            if let Some(f) = self.in_flight.remove(&id) {
+                self.rec.outcome(f.request, Outcome::Unfinished, now);
+            }
+        }
+        for (w, h) in self.hosts.iter().enumerate() {
+            self.rec.worker_max_waiting(w, h.max_waiting);
+        }
+        self.rec.finish(now)
+    }
+
+    fn handle(&mut self, now: Timestamp, ev: Ev) {
+        match ev {
+            Ev::Arrival(i) => self.arrive(i, now),
+            Ev::StepEnd(w, epoch) if epoch == self.hosts[w].epoch => self.step_end(w, now),
+            Ev::StepEnd(..) => {}
+            Ev::Poll(w) => self.poll(w, now),
+            Ev::Deliver(w, batch) => self.deliver(w, batch, now),
+            Ev::ReplayReply(w, from) => self.replay_reply(w, from, now),
+            Ev::Disconnect(w, duration) => self.disconnect(w, duration, now),
+            Ev::Reconnect(w) => {
+                self.hosts[w].connected = true;
+                self.queue.push(
+                    now.saturating_add(self.cfg.health_detect),
+                    Ev::Health(w, true),
+                );
+            }
+            Ev::Health(w, healthy) => {
+                if self.hosts[w].connected == healthy && self.view[w].healthy != healthy {
+                    self.view[w].healthy = healthy;
+                    self.policy.on_health(w, healthy);
+                }
+            }
+            Ev::Restart(w) => self.restart(w, now),
+            Ev::Sample => {
+                let depths = self
+                    .hosts
+                    .iter()
+                    .map(|h| h.engine.waiting_len() as u32)
+                    .collect();
+                self.rec.sample(now, depths);
+                if let Some(every) = self.cfg.timeline {
+                    if !self.rec.all_done() {
+                        self.queue.push(now.saturating_add(every), Ev::Sample);
+                    }
+                }
+            }
+        }
+    }
+
+    fn arrive(&mut self, i: usize, now: Timestamp) {
+        let req = &self.workload.requests[i];
+        let tokens = req.prompt.tokens();
+        if let Some(w) = req.direct_to {
+            let id = RequestId(self.next_background);
+            self.next_background += 1;
+            self.submit(
+                w,
+                EngineRequest {
+                    id,
+                    tokens,
+                    output_tokens: req.output_tokens,
+                },
+                now,
+            );
+            return;
+        }
+        let id = RequestId(i as u64);
+        let keys = self
+            .hasher
+            .prompt_keys(Namespace::DEFAULT, &tokens, self.fleet_block);
+        let page_keys: Vec<BlockKey> = if self.fleet_block == policy::approx::PAGE_TOKENS {
+            keys.clone()
+        } else {
+            self.hasher
+                .prompt_keys(Namespace::DEFAULT, &tokens, policy::approx::PAGE_TOKENS)
+        };
+        let preq = PolicyRequest {
+            id,
+            keys: &keys,
+            page_keys: &page_keys,
+            prompt_tokens: tokens.len() as u64,
+            max_tokens: req.output_tokens as u64,
+        };
+        // A connect failure marks the engine down at once and the request is decided again, as the
+        // gateway retries before any byte was streamed.
+        let pick = loop {
+            let Some(pick) = self.policy.decide(&preq, &self.view, now, &mut self.rng) else {
+                break None;
+            };
+            if self.hosts[pick.worker].connected {
+                break Some(pick);
+            }
+            self.policy.on_finish(id, now);
+            self.view[pick.worker].healthy = false;
+            self.policy.on_health(pick.worker, false);
+        };
+        let Some(pick) = pick else {
+            self.rec.outcome(i, Outcome::Failed, now);
+            return;
+        };
+        self.rec.decision(i, &pick);
+        if self.cfg.admission_wait_s > 0.0
+            && self.projected_wait_s(pick.worker) > self.cfg.admission_wait_s
+        {
+            self.policy.on_finish(id, now);
+            self.rec.outcome(i, Outcome::Rejected, now);
+            return;
+        }
+        let v = &mut self.view[pick.worker];
+        v.in_flight += 1;
+        v.routed += 1;
+        v.sent_requests_since_poll += 1;
+        v.sent_tokens_since_poll += tokens.len() as u64;
+        self.in_flight.insert(
+            id,
+            InFlight {
+                worker: pick.worker,
+                request: i,
+            },
+        );
+        self.rec.dispatched(i, pick.worker);
+        self.submit(
+            pick.worker,
+            EngineRequest {
+                id,
+                tokens,
+                output_tokens: req.output_tokens,
+            },
+            now,
+        );
+    }
+
+    /// The admission estimate, the same for every policy: reported queue plus what was sent since,
+    /// over the prefill rate, plus the reported decode backlog over the decode rate.
+    fn projected_wait_s(&self, w: usize) -> f64 {
+        let v = &self.view[w];
+        let p = &self.cfg.profile;
+        let (queued, decode) = v
+            .snapshot
+            .map_or((0, 0), |s| (s.waiting_tokens, s.active_decode_tokens));
+        (queued + v.sent_tokens_since_poll) as f64 / p.prefill_tokens_per_s
+            + decode as f64 / p.decode_tokens_per_s(64, 4096)
+    }
+
+    fn submit(&mut self, w: usize, req: EngineRequest, now: Timestamp) {
+        let host = &mut self.hosts[w];
+        host.engine.submit(req);
+        host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
+        if !host.stepping {
+            self.start_step(w, now);
+        }
+    }
+
+    fn start_step(&mut self, w: usize, now: Timestamp) {
+        let host = &mut self.hosts[w];
+        match host.engine.begin_step() {
+            Some(micros) => {
+                host.stepping = true;
+                self.queue
+                    .push(Timestamp(now.0 + micros), Ev::StepEnd(w, host.epoch));
+            }
+            None => host.stepping = false,
+        }
+    }
+
+    fn step_end(&mut self, w: usize, now: Timestamp) {
+        let StepOutcome {
+            first_tokens,
+            finished,
+            batch,
+        } = self.hosts[w].engine.end_step();
+        let host = &mut self.hosts[w];
+        host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
+        for id in first_tokens {
+            if let Some(f) = self.in_flight.get(&id) {
+                self.rec.first_token(f.request, now);
+                self.policy.on_first_token(id, now);
+            }
+        }
+        for done in finished {
+            if let Some(f) = self.in_flight.remove(&done.id) {
+                self.view[f.worker].in_flight -= 1;
+                self.policy.on_finish(done.id, now);
+                self.rec.completed(f.request, &done, now);
+            }
+        }
+        if let Some(batch) = batch {
+            self.send_batch(w, batch, now);
+        }
+        self.start_step(w, now);
+    }
+
+    fn send_batch(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
+        if !self.hosts[w].connected
+            || (self.kv_loss > 0.0 && self.rng.random::<f64>() < self.kv_loss)
+        {
+            return;
+        }
+        let jitter = if self.kv_jitter.is_zero() {
+            Duration::ZERO
+        } else {
+            self.kv_jitter.mul_f64(self.rng.random())
+        };
+        self.queue.push(
+            now.saturating_add(self.cfg.kv_delay + self.kv_extra + jitter),
+            Ev::Deliver(w, batch),
+        );
+    }
+
+    fn deliver(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
+        match self.hosts[w].tracker.on_live(batch.seq, batch.events) {
+            LiveAction::Apply(batches) => {
+                for events in batches {
+                    self.policy.on_kv_events(w, &events, now);
+                }
+            }
+            LiveAction::Duplicate | LiveAction::Buffered => {}
+            LiveAction::Replay { from } => {
+                self.rec.kv_gap();
+                self.policy.on_kv_state(
+                    w,
+                    KvState::Incomplete(format!("sequence gap from {from}, replaying")),
+                    false,
+                );
+                self.request_replay(w, from, now);
+            }
+            LiveAction::Restart => {
+                self.rec.kv_gap();
+                self.policy.on_kv_state(
+                    w,
+                    KvState::Incomplete("engine restarted, replaying from 0".into()),
+                    true,
+                );
+                self.request_replay(w, 0, now);
+            }
+        }
+    }
+
+    fn request_replay(&mut self, w: usize, from: u64, now: Timestamp) {
+        self.queue.push(
+            now.saturating_add(self.cfg.replay_delay),
+            Ev::ReplayReply(w, from),
+        );
+    }
+
+    fn replay_reply(&mut self, w: usize, from: u64, now: Timestamp) {
+        let host = &mut self.hosts[w];
+        let replayed = if self.replay && host.connected {
+            host.engine
+                .replay(from)
+                .into_iter()
+                .map(|b| (b.seq, b.events))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let outcome = host.tracker.on_replay(replayed);
+        if outcome.history_lost {
+            // Missed removals would make the index claim blocks the engine evicted: forget the
+            // worker's blocks and continue with a partial view, which can only under-report.
+            self.rec.kv_history_lost();
+            self.policy.on_kv_state(w, KvState::Synced, true);
+        }
+        for events in outcome.apply {
+            self.policy.on_kv_events(w, &events, now);
+        }
+        if self.hosts[w].tracker.awaiting_replay().is_none() {
+            self.policy.on_kv_state(w, KvState::Synced, false);
+        }
+    }
+
+    fn poll(&mut self, w: usize, now: Timestamp) {
+        let host = &self.hosts[w];
+        let failing = host.polls_fail_from.is_some_and(|f| now >= f)
+            && host.polls_fail_until.is_none_or(|u| now < u);
+        if host.connected && !failing {
+            let snapshot = host.engine.load(now);
+            let v = &mut self.view[w];
+            v.snapshot = Some(snapshot);
+            v.sent_requests_since_poll = 0;
+            v.sent_tokens_since_poll = 0;
+            self.policy.on_load(w, &snapshot);
+        }
+        if !self.rec.all_done() {
+            self.queue
+                .push(now.saturating_add(self.cfg.poll_interval), Ev::Poll(w));
+        }
+    }
+
+    fn fail_requests(&mut self, w: usize, ids: Vec<RequestId>, now: Timestamp) {
+        for id in ids {
+            if let Some(f) = self.in_flight.remove(&id) {
+                self.view[w].in_flight -= 1;
+                self.policy.on_finish(id, now);
+                self.rec.outcome(f.request, Outcome::Failed, now);
+            }
+        }
+    }
+
+    fn disconnect(&mut self, w: usize, duration: Duration, now: Timestamp) {
+        let aborted = self.hosts[w].engine.abort_all();
+        let host = &mut self.hosts[w];
+        host.connected = false;
+        host.epoch += 1;
+        host.stepping = false;
+        self.fail_requests(w, aborted, now);
+        self.queue.push(
+            now.saturating_add(self.cfg.health_detect),
+            Ev::Health(w, false),
+        );
+        self.queue
+            .push(now.saturating_add(duration), Ev::Reconnect(w));
+    }
+
+    fn restart(&mut self, w: usize, now: Timestamp) {
+        let salt = self.rng.random();
+        let failed = self.hosts[w].engine.restart(salt);
+        let host = &mut self.hosts[w];
+        host.epoch += 1;
+        host.stepping = false;
+        // The connections reset at once: the router learns of the restart from the failures, and the
+        // worker earns no credit until the new process's events arrive.
+        self.fail_requests(w, failed, now);
+        self.rec.restart();
+        self.policy.on_kv_state(
+            w,
+            KvState::Incomplete("engine restarted: in-flight requests failed".into()),
+            true,
+        );
+        if let Some(batch) = self.hosts[w].engine.flush_idle() {
+            self.send_batch(w, batch, now);
+        }
+    }
+}

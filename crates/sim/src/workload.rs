@@ -1,0 +1,441 @@
+//! Workloads: who asks for what, when.
+//!
+//! Prompts are described compactly as segments of deterministic synthetic tokens
+//! ([`kvgate_core::hashing::synthetic_tokens`]); two requests that share a segment share its exact
+//! tokens, which is what engines' prefix caches and KV events see. Tokens are produced only when a
+//! request arrives, so a 12k-request trace of 12k-token prompts stays small in memory.
+
+use std::io::BufRead;
+use std::path::Path;
+
+use kvgate_core::hashing::{digest_str, synthetic_tokens};
+use kvgate_core::Timestamp;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+use crate::SimError;
+
+/// Tokens per Mooncake hash id (`shared/data/README.md`).
+pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;
+
+/// A run of synthetic tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Seed of the tokens; equal seeds give equal tokens.
+    pub seed: u64,
+    /// Tokens taken from the start of the seed's expansion.
+    pub len: u32,
+}
+
+/// A prompt as a list of segments.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PromptSpec {
+    /// The segments, in order.
+    pub segments: Vec<Segment>,
+}
+
+impl PromptSpec {
+    /// Prompt length in tokens.
+    pub fn len(&self) -> u64 {
+        self.segments.iter().map(|s| s.len as u64).sum()
+    }
+
+    /// Whether the prompt is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The prompt's tokens.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len() as usize);
+        for s in &self.segments {
+            out.extend(synthetic_tokens(s.seed, s.len as usize));
+        }
+        out
+    }
+}
+
+/// One request of a workload.
+#[derive(Debug, Clone)]
+pub struct SimRequest {
+    /// When it reaches the router.
+    pub arrival: Timestamp,
+    /// Its prompt.
+    pub prompt: PromptSpec,
+    /// Tokens it generates (its `max_tokens`).
+    pub output_tokens: u32,
+    /// Whether it carries the scenario's hot prefix.
+    pub hot: bool,
+    /// Background load placed directly on an engine before the measured traffic (not routed, not
+    /// reported).
+    pub direct_to: Option<usize>,
+}
+
+/// A generated workload.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Scenario name.
+    pub name: String,
+    /// Engines in the fleet.
+    pub workers: usize,
+    /// Requests sorted by arrival.
+    pub requests: Vec<SimRequest>,
+    /// The engine that owns the hot prefix at the start, if the scenario has one.
+    pub hot_owner: Option<usize>,
+}
+
+/// Knobs every synthetic scenario takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkloadParams {
+    /// Engines (`None`: the scenario's default).
+    pub workers: Option<usize>,
+    /// Arrivals per second (`None`: the scenario's default).
+    pub rate: Option<f64>,
+    /// Seconds of arrivals (`None`: the scenario's default).
+    pub duration_s: Option<f64>,
+    /// Seed of the arrival process and of request contents.
+    pub seed: u64,
+}
+
+fn poisson_arrivals(
+    rng: &mut ChaCha8Rng,
+    rate: f64,
+    duration_s: f64,
+    start_s: f64,
+) -> Vec<Timestamp> {
+    let mut t = start_s;
+    let mut out = Vec::new();
+    loop {
+        let u: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+        t += -u.ln() / rate;
+        if t >= start_s + duration_s {
+            return out;
+        }
+        out.push(Timestamp::from_secs_f64(t));
+    }
+}
+
+fn unique(seed: u64, what: &str, i: u64) -> u64 {
+    digest_str(what) ^ seed.rotate_left(29) ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Tokens of the incident's hot prefix (a long shared system prompt).
+pub const HOT_PREFIX_TOKENS: u32 = 8192;
+
+/// `hot-prefix-51`: the production incident. Engine 0 holds the hot prefix and a KV-bound backlog
+/// (about 38 running and 109 waiting long conversations) when a burst of streaming chat requests that
+/// share the prefix arrives; the other engines are idle.
+pub fn hot_prefix_51(p: WorkloadParams) -> Workload {
+    let workers = p.workers.unwrap_or(51);
+    let rate = p.rate.unwrap_or(60.0);
+    let duration = p.duration_s.unwrap_or(30.0);
+    let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
+    let hot = Segment {
+        seed: digest_str("hot-prefix-51/system"),
+        len: HOT_PREFIX_TOKENS,
+    };
+    let mut requests = Vec::new();
+    // The owner's backlog: long conversations on the hot system prompt whose KV use (~12.5k tokens
+    // each) lets about 38 of them run at once on a 500k-token engine; the rest wait.
+    for i in 0..148u64 {
+        requests.push(SimRequest {
+            arrival: Timestamp::ZERO,
+            prompt: PromptSpec {
+                segments: vec![
+                    hot,
+                    Segment {
+                        seed: unique(p.seed, "backlog", i),
+                        len: 12_000,
+                    },
+                ],
+            },
+            output_tokens: 512,
+            hot: false,
+            direct_to: Some(0),
+        });
+    }
+    // The burst starts once the owner has published the prefix and filled its batch.
+    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 2.0)
+        .into_iter()
+        .enumerate()
+    {
+        requests.push(SimRequest {
+            arrival: at,
+            prompt: PromptSpec {
+                segments: vec![
+                    hot,
+                    Segment {
+                        seed: unique(p.seed, "chat", i as u64),
+                        len: 200,
+                    },
+                ],
+            },
+            output_tokens: 256,
+            hot: true,
+            direct_to: None,
+        });
+    }
+    Workload {
+        name: "hot-prefix-51".into(),
+        workers,
+        requests,
+        hot_owner: Some(0),
+    }
+}
+
+/// `multi-prefix`: several hot prefixes of different lengths with Zipf popularity (s = 1.1); each
+/// request adds a unique suffix. Prefix 0, the most popular, is the tracked hot prefix.
+pub fn multi_prefix(p: WorkloadParams) -> Workload {
+    const PREFIXES: [u32; 8] = [12_288, 4_096, 8_192, 2_048, 16_384, 6_144, 3_072, 10_240];
+    let workers = p.workers.unwrap_or(16);
+    let rate = p.rate.unwrap_or(30.0);
+    let duration = p.duration_s.unwrap_or(60.0);
+    let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
+    let weights: Vec<f64> = (1..=PREFIXES.len())
+        .map(|k| 1.0 / (k as f64).powf(1.1))
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut requests = Vec::new();
+    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 0.0)
+        .into_iter()
+        .enumerate()
+    {
+        let mut x = rng.random::<f64>() * total;
+        let k = weights.iter().position(|w| {
+            x -= w;
+            x < 0.0
+        });
+        let k = k.unwrap_or(PREFIXES.len() - 1);
+        let prefix = Segment {
+            seed: digest_str(&format!("multi-prefix/{k}")),
+            len: PREFIXES[k],
+        };
+        let suffix = Segment {
+            seed: unique(p.seed, "multi", i as u64),
+            len: rng.random_range(100..1000),
+        };
+        requests.push(SimRequest {
+            arrival: at,
+            prompt: PromptSpec {
+                segments: vec![prefix, suffix],
+            },
+            output_tokens: rng.random_range(50..500),
+            hot: k == 0,
+            direct_to: None,
+        });
+    }
+    Workload {
+        name: "multi-prefix".into(),
+        workers,
+        requests,
+        hot_owner: None,
+    }
+}
+
+#[derive(Deserialize)]
+struct MooncakeRow {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// Replays a Mooncake trace: arrivals at `timestamp / speedup`, each hash id expanded into 512
+/// deterministic tokens seeded by the id (the last block cut to `input_length`). Requests whose first
+/// hash id is 0 (the shared system prompt) are the tracked hot prefix.
+pub fn mooncake(
+    path: &Path,
+    workers: usize,
+    speedup: f64,
+    limit: Option<usize>,
+) -> Result<Workload, SimError> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+    let mut requests = Vec::new();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        if limit.is_some_and(|l| requests.len() >= l) {
+            break;
+        }
+        let line = line.map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row: MooncakeRow = serde_json::from_str(&line)
+            .map_err(|e| SimError::Trace(format!("{} line {}: {e}", path.display(), n + 1)))?;
+        let mut left = row.input_length;
+        let mut segments = Vec::with_capacity(row.hash_ids.len());
+        for id in &row.hash_ids {
+            if left == 0 {
+                break;
+            }
+            let len = left.min(MOONCAKE_BLOCK_TOKENS as u64) as u32;
+            segments.push(Segment {
+                seed: digest_str("mooncake") ^ id.wrapping_mul(0x2545_f491_4f6c_dd1d),
+                len,
+            });
+            left -= len as u64;
+        }
+        if left > 0 {
+            segments.push(Segment {
+                seed: unique(0, "mooncake-tail", n as u64),
+                len: left as u32,
+            });
+        }
+        requests.push(SimRequest {
+            arrival: Timestamp::from_secs_f64(row.timestamp / 1000.0 / speedup),
+            prompt: PromptSpec { segments },
+            output_tokens: row.output_length.clamp(1, u32::MAX as u64) as u32,
+            hot: row.hash_ids.first() == Some(&0),
+            direct_to: None,
+        });
+    }
+    requests.sort_by_key(|r| r.arrival);
+    let name = format!(
+        "mooncake:{}",
+        path.file_name().and_then(|f| f.to_str()).unwrap_or("trace")
+    );
+    Ok(Workload {
+        name,
+        workers,
+        requests,
+        hot_owner: None,
+    })
+}
+
+/// Replays an Azure LLM inference trace (`TIMESTAMP,ContextTokens,GeneratedTokens`): unique prompts,
+/// no prefix sharing: a load-only workload.
+pub fn azure(
+    path: &Path,
+    workers: usize,
+    speedup: f64,
+    limit: Option<usize>,
+) -> Result<Workload, SimError> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+    let mut requests = Vec::new();
+    let mut first: Option<f64> = None;
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+        if n == 0 || line.trim().is_empty() {
+            continue;
+        }
+        if limit.is_some_and(|l| requests.len() >= l) {
+            break;
+        }
+        let bad = |what: &str| {
+            SimError::Trace(format!(
+                "{} line {}: {what}: {line:?}",
+                path.display(),
+                n + 1
+            ))
+        };
+        let mut fields = line.split(',');
+        let ts = fields
+            .next()
+            .and_then(parse_azure_time)
+            .ok_or_else(|| bad("bad TIMESTAMP"))?;
+        let context: u32 = fields
+            .next()
+            .and_then(|f| f.trim().parse().ok())
+            .ok_or_else(|| bad("bad ContextTokens"))?;
+        let generated: u32 = fields
+            .next()
+            .and_then(|f| f.trim().parse().ok())
+            .ok_or_else(|| bad("bad GeneratedTokens"))?;
+        let start = *first.get_or_insert(ts);
+        requests.push(SimRequest {
+            arrival: Timestamp::from_secs_f64((ts - start) / speedup),
+            prompt: PromptSpec {
+                segments: vec![Segment {
+                    seed: unique(0, "azure", n as u64),
+                    len: context.max(1),
+                }],
+            },
+            output_tokens: generated.max(1),
+            hot: false,
+            direct_to: None,
+        });
+    }
+    requests.sort_by_key(|r| r.arrival);
+    let name = format!(
+        "azure:{}",
+        path.file_name().and_then(|f| f.to_str()).unwrap_or("trace")
+    );
+    Ok(Workload {
+        name,
+        workers,
+        requests,
+        hot_owner: None,
+    })
+}
+
+/// Seconds since 1970 of `YYYY-MM-DD HH:MM:SS[.fraction]`.
+fn parse_azure_time(s: &str) -> Option<f64> {
+    let (date, time) = s.trim().split_once(' ')?;
+    let mut d = date.split('-').map(|x| x.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':');
+    let (hh, mm) = (
+        t.next()?.parse::<f64>().ok()?,
+        t.next()?.parse::<f64>().ok()?,
+    );
+    let ss = t.next()?.parse::<f64>().ok()?;
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn azure_timestamps_parse_to_seconds() {
+        let a = parse_azure_time("2023-11-16 18:15:46.6805900").unwrap();
+        let b = parse_azure_time("2023-11-17 00:00:00").unwrap();
+        assert!((b - a - (5.0 * 3600.0 + 44.0 * 60.0 + 13.31941)).abs() < 1e-3);
+        assert_eq!(
+            parse_azure_time("2023-01-01 00:00:00").unwrap(),
+            1_672_531_200.0
+        );
+        assert!(parse_azure_time("garbage").is_none());
+    }
+
+    #[test]
+    fn shared_segments_give_shared_tokens() {
+        let w = multi_prefix(WorkloadParams {
+            workers: None,
+            rate: Some(50.0),
+            duration_s: Some(5.0),
+            seed: 1,
+        });
+        let hot: Vec<_> = w.requests.iter().filter(|r| r.hot).take(2).collect();
+        assert_eq!(hot.len(), 2);
+        let (a, b) = (hot[0].prompt.tokens(), hot[1].prompt.tokens());
+        assert_eq!(a[..12_288], b[..12_288]);
+        assert_ne!(a[12_288..12_300], b[12_288..12_300]);
+    }
+
+    #[test]
+    fn hot_prefix_scenario_has_the_owner_backlog_and_a_burst() {
+        let w = hot_prefix_51(WorkloadParams {
+            workers: None,
+            rate: None,
+            duration_s: Some(10.0),
+            seed: 3,
+        });
+        assert_eq!(w.workers, 51);
+        assert_eq!(
+            w.requests.iter().filter(|r| r.direct_to == Some(0)).count(),
+            148
+        );
+        let burst = w.requests.iter().filter(|r| r.hot).count();
+        assert!((450..750).contains(&burst), "{burst}");
+    }
+}

@@ -9,8 +9,8 @@ use crate::SimError;
 /// One injected fault.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Fault {
-    /// KV events reach the router `extra` later than normal, with up to `jitter` more at random (so
-    /// batches arrive out of order).
+    /// KV events reach the router `extra` later than normal, with up to `jitter` more at random. One
+    /// publisher's stream keeps its order (ZMQ over TCP); live and replayed batches interleave.
     KvDelay {
         /// Added delay.
         extra: Duration,

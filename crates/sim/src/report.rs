@@ -53,6 +53,7 @@ pub struct Recorder {
     kv_gaps: u64,
     kv_history_lost: u64,
     restarts: u64,
+    credit_while_untrusted: u64,
     timeline: Vec<(f64, Vec<u32>)>,
 }
 
@@ -90,6 +91,7 @@ impl Recorder {
             kv_gaps: 0,
             kv_history_lost: 0,
             restarts: 0,
+            credit_while_untrusted: 0,
             timeline: Vec::new(),
         }
     }
@@ -165,6 +167,12 @@ impl Recorder {
         self.restarts += 1;
     }
 
+    /// A decision credited cache on an engine whose telemetry the router must not trust (restarted
+    /// with no new events yet, or load reports stale).
+    pub fn credit_while_untrusted(&mut self) {
+        self.credit_while_untrusted += 1;
+    }
+
     /// The deepest waiting queue an engine had.
     pub fn worker_max_waiting(&mut self, w: usize, max: u64) {
         self.worker_max_waiting[w] = max;
@@ -230,12 +238,12 @@ impl Recorder {
         let hot: Vec<usize> = measured
             .iter()
             .copied()
-            .filter(|&i| self.hot[i] && self.records[i].worker.is_some())
+            .filter(|&i| self.hot[i] && self.records[i].decided.is_some())
             .collect();
         let owner_share = match (self.hot_owner, hot.len()) {
             (Some(owner), n) if n > 0 => {
                 hot.iter()
-                    .filter(|&&i| self.records[i].worker == Some(owner))
+                    .filter(|&&i| self.records[i].decided == Some(owner))
                     .count() as f64
                     / n as f64
             }
@@ -296,6 +304,7 @@ impl Recorder {
                 gaps: self.kv_gaps,
                 history_lost: self.kv_history_lost,
                 restarts: self.restarts,
+                credit_while_untrusted: self.credit_while_untrusted,
             },
             timeline: self.timeline,
         }
@@ -412,6 +421,9 @@ pub struct KvStats {
     pub history_lost: u64,
     /// Engine restarts.
     pub restarts: u64,
+    /// Decisions that credited cache on an engine whose telemetry could not be trusted: restarted with
+    /// no new events yet, or load reports stale (kvgate policies; should be 0).
+    pub credit_while_untrusted: u64,
 }
 
 /// The report of one run.

@@ -91,6 +91,10 @@ struct Host {
     polls_fail_from: Option<Timestamp>,
     polls_fail_until: Option<Timestamp>,
     max_waiting: u64,
+    /// Restarted, and no batch of the new process applied yet.
+    awaiting_new_events: bool,
+    /// When the last live batch was scheduled to reach the router.
+    last_delivery: Timestamp,
 }
 
 struct InFlight {
@@ -148,6 +152,8 @@ impl<'w> Simulation<'w> {
                 polls_fail_from: None,
                 polls_fail_until: None,
                 max_waiting: 0,
+                awaiting_new_events: false,
+                last_delivery: Timestamp::ZERO,
             })
             .collect();
         let view = vec![
@@ -364,6 +370,9 @@ impl<'w> Simulation<'w> {
             return;
         };
         self.rec.decision(i, &pick);
+        if pick.cached_tokens.unwrap_or(0) > 0 && self.untrusted(pick.worker, now) {
+            self.rec.credit_while_untrusted();
+        }
         if self.cfg.admission_wait_s > 0.0
             && self.projected_wait_s(pick.worker) > self.cfg.admission_wait_s
         {
@@ -466,19 +475,18 @@ impl<'w> Simulation<'w> {
         } else {
             self.kv_jitter.mul_f64(self.rng.random())
         };
-        self.queue.push(
-            now.saturating_add(self.cfg.kv_delay + self.kv_extra + jitter),
-            Ev::Deliver(w, batch),
-        );
+        // One publisher's messages travel one TCP stream: jitter delays them but never reorders them.
+        // (Live and replayed batches still interleave, which the tracker sorts out.)
+        let at = now
+            .saturating_add(self.cfg.kv_delay + self.kv_extra + jitter)
+            .max(self.hosts[w].last_delivery);
+        self.hosts[w].last_delivery = at;
+        self.queue.push(at, Ev::Deliver(w, batch));
     }
 
     fn deliver(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
         match self.hosts[w].tracker.on_live(batch.seq, batch.events) {
-            LiveAction::Apply(batches) => {
-                for events in batches {
-                    self.policy.on_kv_events(w, &events, now);
-                }
-            }
+            LiveAction::Apply(batches) => self.apply_batches(w, batches, now),
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {
                 self.rec.kv_gap();
@@ -498,6 +506,27 @@ impl<'w> Simulation<'w> {
                 );
                 self.request_replay(w, 0, now);
             }
+        }
+    }
+
+    /// Whether the router must not trust `w`'s telemetry now: restarted with no new events yet, or
+    /// its load reports older than the stale bound because its poller is failing.
+    fn untrusted(&self, w: usize, now: Timestamp) -> bool {
+        let h = &self.hosts[w];
+        let stale_bound = self.cfg.knobs.stale_after() + self.cfg.poll_interval;
+        let polls_stale = h
+            .polls_fail_from
+            .is_some_and(|f| now.saturating_since(f) > stale_bound)
+            && h.polls_fail_until.is_none_or(|u| now < u);
+        h.awaiting_new_events || polls_stale
+    }
+
+    fn apply_batches(&mut self, w: usize, batches: Vec<Vec<KvEvent>>, now: Timestamp) {
+        if !batches.is_empty() && self.hosts[w].tracker.awaiting_replay().is_none() {
+            self.hosts[w].awaiting_new_events = false;
+        }
+        for events in batches {
+            self.policy.on_kv_events(w, &events, now);
         }
     }
 
@@ -526,9 +555,7 @@ impl<'w> Simulation<'w> {
             self.rec.kv_history_lost();
             self.policy.on_kv_state(w, KvState::Synced, true);
         }
-        for events in outcome.apply {
-            self.policy.on_kv_events(w, &events, now);
-        }
+        self.apply_batches(w, outcome.apply, now);
         if self.hosts[w].tracker.awaiting_replay().is_none() {
             self.policy.on_kv_state(w, KvState::Synced, false);
         }
@@ -587,6 +614,7 @@ impl<'w> Simulation<'w> {
         // worker earns no credit until the new process's events arrive.
         self.fail_requests(w, failed, now);
         self.rec.restart();
+        self.hosts[w].awaiting_new_events = true;
         self.policy.on_kv_state(
             w,
             KvState::Incomplete("engine restarted: in-flight requests failed".into()),

@@ -64,6 +64,7 @@ impl SimPolicy for CorePolicy {
             worker: self.index_of(&d.worker),
             reason: Some(d.reason),
             shadow_disagrees: (d.mode == kvgate_core::Mode::Shadow).then(|| d.shadow_disagrees()),
+            cached_tokens: Some(d.cached_tokens),
         })
     }
 

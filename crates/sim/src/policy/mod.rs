@@ -64,6 +64,8 @@ pub struct Pick {
     pub reason: Option<Reason>,
     /// `shadow`: whether `enforce` would have chosen differently.
     pub shadow_disagrees: Option<bool>,
+    /// kvgate policies: prompt tokens credited as cached on the chosen engine.
+    pub cached_tokens: Option<u64>,
 }
 
 impl Pick {
@@ -73,6 +75,7 @@ impl Pick {
             worker,
             reason: None,
             shadow_disagrees: None,
+            cached_tokens: None,
         }
     }
 }

@@ -103,6 +103,7 @@ pub struct Engine {
     plan: Option<Plan>,
     pending_events: Vec<KvEvent>,
     history: VecDeque<EventBatch>,
+    replay_buffer: usize,
     /// Totals since start: prompt tokens admitted and those served from the cache.
     pub prompt_tokens_total: u64,
     /// Prompt tokens served from the prefix cache since start.
@@ -124,12 +125,19 @@ impl Engine {
             plan: None,
             pending_events: Vec::new(),
             history: VecDeque::new(),
+            replay_buffer: REPLAY_BUFFER_STEPS,
             prompt_tokens_total: 0,
             cached_tokens_total: 0,
             profile,
         };
         engine.start_process();
         engine
+    }
+
+    /// Keeps only the last `batches` batches for replay (vLLM and SGLang `buffer_steps`).
+    pub fn with_replay_buffer(mut self, batches: usize) -> Self {
+        self.replay_buffer = batches.max(1);
+        self
     }
 
     fn start_process(&mut self) {
@@ -334,7 +342,7 @@ impl Engine {
         };
         self.next_seq += 1;
         self.history.push_back(batch.clone());
-        if self.history.len() > REPLAY_BUFFER_STEPS {
+        if self.history.len() > self.replay_buffer {
             self.history.pop_front();
         }
         Some(batch)

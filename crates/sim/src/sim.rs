@@ -34,6 +34,9 @@ pub struct SimConfig {
     pub kv_delay: Duration,
     /// Time for a replay request to be answered.
     pub replay_delay: Duration,
+    /// Batches each engine keeps for replay (`buffer_steps`; engines default to 10,000, the simulator
+    /// keeps fewer because a replay is answered within milliseconds and batches carry token ids).
+    pub replay_buffer: usize,
     /// Time for health checks to notice an engine going away or coming back.
     pub health_detect: Duration,
     /// Router admission: reject when the chosen engine's projected wait (its reported queue plus what
@@ -58,6 +61,7 @@ impl SimConfig {
             poll_interval: Duration::from_millis(200),
             kv_delay: Duration::from_millis(5),
             replay_delay: Duration::from_millis(20),
+            replay_buffer: 256,
             health_detect: Duration::from_secs(1),
             admission_wait_s: 30.0,
             faults: Vec::new(),
@@ -144,7 +148,7 @@ impl<'w> Simulation<'w> {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let hosts = (0..workload.workers)
             .map(|_| Host {
-                engine: Engine::new(cfg.profile.clone(), rng.random()),
+                engine: Engine::new(cfg.profile.clone(), rng.random()).with_replay_buffer(cfg.replay_buffer),
                 epoch: 0,
                 stepping: false,
                 connected: true,

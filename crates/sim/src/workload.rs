@@ -189,7 +189,7 @@ pub fn hot_prefix_51(p: WorkloadParams) -> Workload {
 pub fn multi_prefix(p: WorkloadParams) -> Workload {
     const PREFIXES: [u32; 8] = [12_288, 4_096, 8_192, 2_048, 16_384, 6_144, 3_072, 10_240];
     let workers = p.workers.unwrap_or(16);
-    let rate = p.rate.unwrap_or(30.0);
+    let rate = p.rate.unwrap_or(60.0);
     let duration = p.duration_s.unwrap_or(60.0);
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
     let weights: Vec<f64> = (1..=PREFIXES.len())

@@ -148,7 +148,8 @@ impl<'w> Simulation<'w> {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let hosts = (0..workload.workers)
             .map(|_| Host {
-                engine: Engine::new(cfg.profile.clone(), rng.random()).with_replay_buffer(cfg.replay_buffer),
+                engine: Engine::new(cfg.profile.clone(), rng.random())
+                    .with_replay_buffer(cfg.replay_buffer),
                 epoch: 0,
                 stepping: false,
                 connected: true,

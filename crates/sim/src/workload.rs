@@ -290,17 +290,7 @@ pub fn mooncake(
             direct_to: None,
         });
     }
-    requests.sort_by_key(|r| r.arrival);
-    let name = format!(
-        "mooncake:{}",
-        path.file_name().and_then(|f| f.to_str()).unwrap_or("trace")
-    );
-    Ok(Workload {
-        name,
-        workers,
-        requests,
-        hot_owner: None,
-    })
+    Ok(trace_workload("mooncake", path, workers, requests))
 }
 
 /// Replays an Azure LLM inference trace (`TIMESTAMP,ContextTokens,GeneratedTokens`): unique prompts,
@@ -357,17 +347,24 @@ pub fn azure(
             direct_to: None,
         });
     }
+    Ok(trace_workload("azure", path, workers, requests))
+}
+
+/// A replayed trace's workload, requests in arrival order.
+fn trace_workload(
+    kind: &str,
+    path: &Path,
+    workers: usize,
+    mut requests: Vec<SimRequest>,
+) -> Workload {
     requests.sort_by_key(|r| r.arrival);
-    let name = format!(
-        "azure:{}",
-        path.file_name().and_then(|f| f.to_str()).unwrap_or("trace")
-    );
-    Ok(Workload {
-        name,
+    let file = path.file_name().and_then(|f| f.to_str()).unwrap_or("trace");
+    Workload {
+        name: format!("{kind}:{file}"),
         workers,
         requests,
         hot_owner: None,
-    })
+    }
 }
 
 /// Seconds since 1970 of `YYYY-MM-DD HH:MM:SS[.fraction]`.

@@ -8,22 +8,40 @@ use rustc_hash::FxHashMap;
 
 use super::{argmin_set, healthy, uniform, FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerView};
 
-fn exact_index(fleet: &FleetInfo) -> KvIndex {
-    let mut index = KvIndex::new(fleet.block_size);
-    for w in 0..fleet.workers {
-        index.add_worker(WorkerSlot(w as u32), KvState::Synced);
-    }
-    index
-}
+/// The exact-event index both baselines keep, fed exactly as kvgate's is.
+#[derive(Debug)]
+struct ExactIndex(KvIndex);
 
-fn overlap_blocks(index: &KvIndex, keys: &[BlockKey], workers: usize) -> Vec<u64> {
-    let mut out = Vec::new();
-    index.overlaps(keys, &mut out);
-    let mut o = vec![0u64; workers];
-    for (slot, blocks) in out {
-        o[slot.index()] = blocks as u64;
+impl ExactIndex {
+    fn new(fleet: &FleetInfo) -> Self {
+        let mut index = KvIndex::new(fleet.block_size);
+        for w in 0..fleet.workers {
+            index.add_worker(WorkerSlot(w as u32), KvState::Synced);
+        }
+        ExactIndex(index)
     }
-    o
+
+    /// Leading blocks of `keys` each worker holds.
+    fn overlaps(&self, keys: &[BlockKey], workers: usize) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.0.overlaps(keys, &mut out);
+        let mut o = vec![0u64; workers];
+        for (slot, blocks) in out {
+            o[slot.index()] = blocks as u64;
+        }
+        o
+    }
+
+    fn apply(&mut self, worker: usize, events: &[KvEvent], now: Timestamp) {
+        self.0.apply_events(WorkerSlot(worker as u32), events, now);
+    }
+
+    fn set_state(&mut self, worker: usize, state: KvState, clear: bool) {
+        if clear {
+            self.0.clear_worker(WorkerSlot(worker as u32));
+        }
+        self.0.set_state(WorkerSlot(worker as u32), state);
+    }
 }
 
 #[derive(Debug)]
@@ -42,7 +60,7 @@ struct DynamoReservation {
 /// the blocks at completion. Ties go to the smaller index tree, then uniform.
 #[derive(Debug)]
 pub struct Dynamo {
-    index: KvIndex,
+    index: ExactIndex,
     block: u64,
     active_blocks: Vec<FxHashMap<BlockKey, u32>>,
     active_prefill: Vec<u64>,
@@ -53,7 +71,7 @@ impl Dynamo {
     /// A router for `fleet`.
     pub fn new(fleet: &FleetInfo) -> Self {
         Dynamo {
-            index: exact_index(fleet),
+            index: ExactIndex::new(fleet),
             block: fleet.block_size as u64,
             active_blocks: vec![FxHashMap::default(); fleet.workers],
             active_prefill: vec![0; fleet.workers],
@@ -71,7 +89,7 @@ impl SimPolicy for Dynamo {
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
         let h = healthy(view);
-        let o = overlap_blocks(&self.index, req.keys, view.len());
+        let o = self.index.overlaps(req.keys, view.len());
         let uncached = |w: usize| req.prompt_tokens.saturating_sub(o[w] * self.block);
         let logit = |w: usize| {
             let p = self.active_prefill[w] + uncached(w);
@@ -84,7 +102,7 @@ impl SimPolicy for Dynamo {
             p as f64 / self.block as f64 + d as f64
         };
         let best = argmin_set(&h, logit);
-        let best = argmin_set(&best, |w| self.index.blocks_held(WorkerSlot(w as u32)));
+        let best = argmin_set(&best, |w| self.index.0.blocks_held(WorkerSlot(w as u32)));
         let w = uniform(&best, rng)?;
         for k in req.keys {
             *self.active_blocks[w].entry(*k).or_insert(0) += 1;
@@ -104,15 +122,11 @@ impl SimPolicy for Dynamo {
     }
 
     fn on_kv_events(&mut self, worker: usize, events: &[KvEvent], now: Timestamp) {
-        self.index
-            .apply_events(WorkerSlot(worker as u32), events, now);
+        self.index.apply(worker, events, now);
     }
 
     fn on_kv_state(&mut self, worker: usize, state: KvState, clear: bool) {
-        if clear {
-            self.index.clear_worker(WorkerSlot(worker as u32));
-        }
-        self.index.set_state(WorkerSlot(worker as u32), state);
+        self.index.set_state(worker, state, clear);
     }
 
     fn on_first_token(&mut self, id: RequestId, _now: Timestamp) {
@@ -147,14 +161,14 @@ impl SimPolicy for Dynamo {
 /// polls; the last value is used whatever its age, and nothing is reserved at decision time.
 #[derive(Debug)]
 pub struct LlmD {
-    index: KvIndex,
+    index: ExactIndex,
 }
 
 impl LlmD {
     /// A router for `fleet`.
     pub fn new(fleet: &FleetInfo) -> Self {
         LlmD {
-            index: exact_index(fleet),
+            index: ExactIndex::new(fleet),
         }
     }
 }
@@ -168,7 +182,7 @@ impl SimPolicy for LlmD {
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
         let h = healthy(view);
-        let o = overlap_blocks(&self.index, req.keys, view.len());
+        let o = self.index.overlaps(req.keys, view.len());
         let total = req.keys.len().max(1) as f64;
         let q = |w: usize| view[w].snapshot.map_or(0, |s| s.waiting_requests) as f64;
         let qmax = h.iter().map(|&w| q(w)).fold(f64::MIN, f64::max);
@@ -187,14 +201,10 @@ impl SimPolicy for LlmD {
     }
 
     fn on_kv_events(&mut self, worker: usize, events: &[KvEvent], now: Timestamp) {
-        self.index
-            .apply_events(WorkerSlot(worker as u32), events, now);
+        self.index.apply(worker, events, now);
     }
 
     fn on_kv_state(&mut self, worker: usize, state: KvState, clear: bool) {
-        if clear {
-            self.index.clear_worker(WorkerSlot(worker as u32));
-        }
-        self.index.set_state(WorkerSlot(worker as u32), state);
+        self.index.set_state(worker, state, clear);
     }
 }

@@ -87,6 +87,9 @@ pub struct SimArgs {
     /// KV event delivery delay in milliseconds.
     #[arg(long, default_value_t = 5)]
     kv_delay_ms: u64,
+    /// Router replicas behind one Service, each with its own reservations (1 to 64).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -190,6 +193,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.admission_wait_s = a.admission_wait_s;
         cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
         cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
+        cfg.replicas = a.replicas;
         cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
         reports.push(kvgate_sim::run(&workload, cfg)?);
     }

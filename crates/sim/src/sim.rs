@@ -44,6 +44,9 @@ pub struct SimConfig {
     pub admission_wait_s: f64,
     /// Injected faults.
     pub faults: Vec<Fault>,
+    /// Router replicas behind one Service, each with its own reservations and view (requests are
+    /// spread over them at random).
+    pub replicas: usize,
     /// Extra time after the last arrival before the run stops and counts what is left as unfinished.
     pub drain: Duration,
     /// Sample per-engine queue depth at this interval for plots (`None`: don't).
@@ -64,6 +67,7 @@ impl SimConfig {
             replay_buffer: 256,
             health_detect: Duration::from_secs(1),
             admission_wait_s: 30.0,
+            replicas: 1,
             faults: Vec::new(),
             drain: Duration::from_secs(900),
             timeline: None,
@@ -104,15 +108,22 @@ struct Host {
 struct InFlight {
     worker: usize,
     request: usize,
+    replica: usize,
+}
+
+/// One router replica: its own policy state (reservations, trees) and its own view of the engines.
+/// Every replica polls every engine and subscribes to every event stream (ZMQ PUB fans out).
+struct Replica {
+    policy: Box<dyn SimPolicy>,
+    view: Vec<WorkerView>,
 }
 
 /// One simulation run.
 pub struct Simulation<'w> {
     workload: &'w Workload,
     cfg: SimConfig,
-    policy: Box<dyn SimPolicy>,
+    replicas: Vec<Replica>,
     hosts: Vec<Host>,
-    view: Vec<WorkerView>,
     queue: crate::queue::EventQueue<Ev>,
     rng: ChaCha8Rng,
     hasher: BlockHasher,
@@ -144,7 +155,27 @@ impl<'w> Simulation<'w> {
             decode_tokens_per_s: p.decode_tokens_per_s(64, 4096),
             kv_capacity_tokens: p.kv_capacity_tokens,
         };
-        let policy = policy::build(&cfg.policy, &fleet, &cfg.knobs)?;
+        let view = vec![
+            WorkerView {
+                healthy: true,
+                ..WorkerView::default()
+            };
+            workload.workers
+        ];
+        if cfg.replicas == 0 || cfg.replicas > 64 {
+            return Err(SimError::Config(format!(
+                "replicas must be between 1 and 64, got {}",
+                cfg.replicas
+            )));
+        }
+        let replicas = (0..cfg.replicas)
+            .map(|_| {
+                Ok(Replica {
+                    policy: policy::build(&cfg.policy, &fleet, &cfg.knobs)?,
+                    view: view.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>, SimError>>()?;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let hosts = (0..workload.workers)
             .map(|_| Host {
@@ -161,13 +192,6 @@ impl<'w> Simulation<'w> {
                 last_delivery: Timestamp::ZERO,
             })
             .collect();
-        let view = vec![
-            WorkerView {
-                healthy: true,
-                ..WorkerView::default()
-            };
-            workload.workers
-        ];
         let (mut kv_extra, mut kv_jitter, mut kv_loss, mut replay) =
             (Duration::ZERO, Duration::ZERO, 0.0, true);
         for f in &cfg.faults {
@@ -205,9 +229,8 @@ impl<'w> Simulation<'w> {
         Ok(Simulation {
             fleet_block: p.block_size as usize,
             workload,
-            policy,
+            replicas,
             hosts,
-            view,
             queue: crate::queue::EventQueue::default(),
             rng,
             hasher: BlockHasher::new(),
@@ -301,9 +324,13 @@ impl<'w> Simulation<'w> {
                 );
             }
             Ev::Health(w, healthy) => {
-                if self.hosts[w].connected == healthy && self.view[w].healthy != healthy {
-                    self.view[w].healthy = healthy;
-                    self.policy.on_health(w, healthy);
+                if self.hosts[w].connected == healthy {
+                    for r in &mut self.replicas {
+                        if r.view[w].healthy != healthy {
+                            r.view[w].healthy = healthy;
+                            r.policy.on_health(w, healthy);
+                        }
+                    }
                 }
             }
             Ev::Restart(w) => self.restart(w, now),
@@ -357,18 +384,25 @@ impl<'w> Simulation<'w> {
             prompt_tokens: tokens.len() as u64,
             max_tokens: req.output_tokens as u64,
         };
+        // Replicas sit behind one Service that spreads requests over them at random.
+        let replica = if self.replicas.len() > 1 {
+            self.rng.random_range(0..self.replicas.len())
+        } else {
+            0
+        };
         // A connect failure marks the engine down at once and the request is decided again, as the
         // gateway retries before any byte was streamed.
         let pick = loop {
-            let Some(pick) = self.policy.decide(&preq, &self.view, now, &mut self.rng) else {
+            let r = &mut self.replicas[replica];
+            let Some(pick) = r.policy.decide(&preq, &r.view, now, &mut self.rng) else {
                 break None;
             };
             if self.hosts[pick.worker].connected {
                 break Some(pick);
             }
-            self.policy.on_finish(id, now);
-            self.view[pick.worker].healthy = false;
-            self.policy.on_health(pick.worker, false);
+            r.policy.on_finish(id, now);
+            r.view[pick.worker].healthy = false;
+            r.policy.on_health(pick.worker, false);
         };
         let Some(pick) = pick else {
             self.rec.outcome(i, Outcome::Failed, now);
@@ -379,13 +413,13 @@ impl<'w> Simulation<'w> {
             self.rec.credit_while_untrusted();
         }
         if self.cfg.admission_wait_s > 0.0
-            && self.projected_wait_s(pick.worker) > self.cfg.admission_wait_s
+            && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s
         {
-            self.policy.on_finish(id, now);
+            self.replicas[replica].policy.on_finish(id, now);
             self.rec.outcome(i, Outcome::Rejected, now);
             return;
         }
-        let v = &mut self.view[pick.worker];
+        let v = &mut self.replicas[replica].view[pick.worker];
         v.in_flight += 1;
         v.routed += 1;
         v.sent_requests_since_poll += 1;
@@ -395,6 +429,7 @@ impl<'w> Simulation<'w> {
             InFlight {
                 worker: pick.worker,
                 request: i,
+                replica,
             },
         );
         self.rec.dispatched(i, pick.worker);
@@ -411,8 +446,8 @@ impl<'w> Simulation<'w> {
 
     /// The admission estimate, the same for every policy: reported queue plus what was sent since,
     /// over the prefill rate, plus the reported decode backlog over the decode rate.
-    fn projected_wait_s(&self, w: usize) -> f64 {
-        let v = &self.view[w];
+    fn projected_wait_s(&self, replica: usize, w: usize) -> f64 {
+        let v = &self.replicas[replica].view[w];
         let p = &self.cfg.profile;
         let (queued, decode) = v
             .snapshot
@@ -453,13 +488,14 @@ impl<'w> Simulation<'w> {
         for id in first_tokens {
             if let Some(f) = self.in_flight.get(&id) {
                 self.rec.first_token(f.request, now);
-                self.policy.on_first_token(id, now);
+                self.replicas[f.replica].policy.on_first_token(id, now);
             }
         }
         for done in finished {
             if let Some(f) = self.in_flight.remove(&done.id) {
-                self.view[f.worker].in_flight -= 1;
-                self.policy.on_finish(done.id, now);
+                let r = &mut self.replicas[f.replica];
+                r.view[f.worker].in_flight -= 1;
+                r.policy.on_finish(done.id, now);
                 self.rec.completed(f.request, &done, now);
             }
         }
@@ -495,7 +531,7 @@ impl<'w> Simulation<'w> {
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {
                 self.rec.kv_gap();
-                self.policy.on_kv_state(
+                self.kv_state_all(
                     w,
                     KvState::Incomplete(format!("sequence gap from {from}, replaying")),
                     false,
@@ -504,7 +540,7 @@ impl<'w> Simulation<'w> {
             }
             LiveAction::Restart => {
                 self.rec.kv_gap();
-                self.policy.on_kv_state(
+                self.kv_state_all(
                     w,
                     KvState::Incomplete("engine restarted, replaying from 0".into()),
                     true,
@@ -526,12 +562,24 @@ impl<'w> Simulation<'w> {
         h.awaiting_new_events || polls_stale
     }
 
+    /// Runs `f` on every replica's policy.
+    fn each_policy(&mut self, mut f: impl FnMut(&mut dyn SimPolicy)) {
+        for r in &mut self.replicas {
+            f(r.policy.as_mut());
+        }
+    }
+
+    /// Tells every replica the event consumer's verdict on `w`.
+    fn kv_state_all(&mut self, w: usize, state: KvState, clear: bool) {
+        self.each_policy(|p| p.on_kv_state(w, state.clone(), clear));
+    }
+
     fn apply_batches(&mut self, w: usize, batches: Vec<Vec<KvEvent>>, now: Timestamp) {
         if !batches.is_empty() && self.hosts[w].tracker.awaiting_replay().is_none() {
             self.hosts[w].awaiting_new_events = false;
         }
         for events in batches {
-            self.policy.on_kv_events(w, &events, now);
+            self.each_policy(|p| p.on_kv_events(w, &events, now));
         }
     }
 
@@ -558,11 +606,11 @@ impl<'w> Simulation<'w> {
             // Missed removals would make the index claim blocks the engine evicted: forget the
             // worker's blocks and continue with a partial view, which can only under-report.
             self.rec.kv_history_lost();
-            self.policy.on_kv_state(w, KvState::Synced, true);
+            self.kv_state_all(w, KvState::Synced, true);
         }
         self.apply_batches(w, outcome.apply, now);
         if self.hosts[w].tracker.awaiting_replay().is_none() {
-            self.policy.on_kv_state(w, KvState::Synced, false);
+            self.kv_state_all(w, KvState::Synced, false);
         }
     }
 
@@ -572,11 +620,13 @@ impl<'w> Simulation<'w> {
             && host.polls_fail_until.is_none_or(|u| now < u);
         if host.connected && !failing {
             let snapshot = host.engine.load(now);
-            let v = &mut self.view[w];
-            v.snapshot = Some(snapshot);
-            v.sent_requests_since_poll = 0;
-            v.sent_tokens_since_poll = 0;
-            self.policy.on_load(w, &snapshot);
+            for r in &mut self.replicas {
+                let v = &mut r.view[w];
+                v.snapshot = Some(snapshot);
+                v.sent_requests_since_poll = 0;
+                v.sent_tokens_since_poll = 0;
+                r.policy.on_load(w, &snapshot);
+            }
         }
         if !self.rec.all_done() {
             self.queue
@@ -587,8 +637,9 @@ impl<'w> Simulation<'w> {
     fn fail_requests(&mut self, w: usize, ids: Vec<RequestId>, now: Timestamp) {
         for id in ids {
             if let Some(f) = self.in_flight.remove(&id) {
-                self.view[w].in_flight -= 1;
-                self.policy.on_finish(id, now);
+                let r = &mut self.replicas[f.replica];
+                r.view[w].in_flight -= 1;
+                r.policy.on_finish(id, now);
                 self.rec.outcome(f.request, Outcome::Failed, now);
             }
         }
@@ -620,7 +671,7 @@ impl<'w> Simulation<'w> {
         self.fail_requests(w, failed, now);
         self.rec.restart();
         self.hosts[w].awaiting_new_events = true;
-        self.policy.on_kv_state(
+        self.kv_state_all(
             w,
             KvState::Incomplete("engine restarted: in-flight requests failed".into()),
             true,

@@ -324,3 +324,32 @@ fn azure_replay_is_load_only() {
     assert_eq!(r.requests.completed, 300);
     assert!(r.cache.hit_rate < 0.01);
 }
+
+#[test]
+fn several_router_replicas_each_reserve_on_their_own_and_still_spread() {
+    let w = hot51(10.0);
+    let four = run_with(&w, "projected:enforce", 1, |c| c.replicas = 4);
+    assert_eq!(four.requests.rejected, 0);
+    assert!(four.hot_prefix.owner_share < 0.02, "{:?}", four.hot_prefix);
+    let m = multi(50.0, 20.0);
+    let one = run(&m, "projected:enforce");
+    let eight = run_with(&m, "projected:enforce", 1, |c| c.replicas = 8);
+    assert_eq!(eight.requests.completed, eight.requests.total);
+    let (min, max) = spread(&eight);
+    assert!(
+        min > 0.6 && max < 1.4,
+        "per-worker share {min:.2}..{max:.2}"
+    );
+    // Replicas converge through telemetry; their private reservations cost a little reuse at most.
+    assert!(eight.cache.hit_rate > one.cache.hit_rate - 0.03);
+    let bad = kvgate_sim::run(&m, {
+        let mut c = SimConfig::new(
+            EngineProfile::large_moe_h200(),
+            PolicySpec::parse("projected").unwrap(),
+            1,
+        );
+        c.replicas = 0;
+        c
+    });
+    assert!(bad.is_err());
+}

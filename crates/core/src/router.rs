@@ -286,7 +286,27 @@ impl Router {
         now: Timestamp,
         rng: &mut R,
     ) -> Result<Decision, DecideError> {
-        let draw = rng.next_u64();
+        self.decide_inner(req, now, rng.next_u64(), true)
+    }
+
+    /// What [`Router::decide`] would decide now, without reserving anything or changing any state
+    /// (for `POST /admin/decide`).
+    pub fn preview<R: RngCore + ?Sized>(
+        &self,
+        req: &RouteRequest<'_>,
+        now: Timestamp,
+        rng: &mut R,
+    ) -> Result<Decision, DecideError> {
+        self.decide_inner(req, now, rng.next_u64(), false)
+    }
+
+    fn decide_inner(
+        &self,
+        req: &RouteRequest<'_>,
+        now: Timestamp,
+        draw: u64,
+        commit: bool,
+    ) -> Result<Decision, DecideError> {
         let cfg = self.policy.read().clone();
         let mut guard = self.fleet.lock();
         let fleet = &mut *guard;
@@ -318,7 +338,7 @@ impl Router {
                 }
             }
             PolicyName::CacheAware => {
-                let (choice, reason) = cache_aware_choice(fleet, &scored, req, draw, &cfg);
+                let (choice, reason) = cache_aware_choice(fleet, &scored, req, draw, &cfg, commit);
                 (choice, reason, Some((choice, reason)))
             }
         };
@@ -330,21 +350,23 @@ impl Router {
             decode_tokens: req.max_tokens,
             kv_tokens: prefill_tokens + req.max_tokens,
         };
-        let last_event_at = self.index.read().last_event_at(winner.slot);
-        let state = fleet.workers[winner.slot.index()]
-            .as_mut()
-            .expect("scored slots are live");
-        state.ledger.reserve(req.id, work, now);
-        state.routed += 1;
-        let answered = match (state.unanswered_dispatch_since, last_event_at) {
-            (None, _) => true,
-            (Some(since), Some(event)) => event >= since,
-            (Some(_), None) => false,
-        };
-        if answered {
-            state.unanswered_dispatch_since = Some(now);
+        if commit {
+            let last_event_at = self.index.read().last_event_at(winner.slot);
+            let state = fleet.workers[winner.slot.index()]
+                .as_mut()
+                .expect("scored slots are live");
+            state.ledger.reserve(req.id, work, now);
+            state.routed += 1;
+            let answered = match (state.unanswered_dispatch_since, last_event_at) {
+                (None, _) => true,
+                (Some(since), Some(event)) => event >= since,
+                (Some(_), None) => false,
+            };
+            if answered {
+                state.unanswered_dispatch_since = Some(now);
+            }
+            fleet.requests.insert(req.id, winner.slot);
         }
-        fleet.requests.insert(req.id, winner.slot);
 
         let id_of = |i: usize| {
             fleet.workers[scored[i].slot.index()]
@@ -485,6 +507,7 @@ fn cache_aware_choice(
     req: &RouteRequest<'_>,
     draw: u64,
     cfg: &PolicyConfig,
+    commit: bool,
 ) -> (usize, Reason) {
     let candidates: Vec<cache_aware::Candidate> = scored
         .iter()
@@ -510,7 +533,7 @@ fn cache_aware_choice(
         .and_then(|owner| scored.iter().position(|s| s.slot == *owner));
     let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seeded, draw)
         .expect("non-empty candidates");
-    if let Some(k) = prefix {
+    if let Some(k) = prefix.filter(|_| commit) {
         if seeded.is_none() {
             // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
             fleet.seeds.remove(&k);

@@ -250,3 +250,17 @@ fn fresher_telemetry_absorbs_reservations_without_double_counting() {
         0
     );
 }
+
+#[test]
+fn preview_decides_without_reserving() {
+    let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
+    let req = Req::new(&router, 1, &tokens("p", 3000), 100);
+    let a = router.preview(&req.route(), T0, &mut rng()).unwrap();
+    let b = router.preview(&req.route(), T0, &mut rng()).unwrap();
+    assert_eq!(a, b, "nothing changed between the two previews");
+    assert_eq!(router.in_flight(), 0);
+    assert!(router.workers(T0).iter().all(|w| w.reserved.is_zero()));
+    let d = decide(&router, &req, T0);
+    assert_eq!(d.worker, a.worker);
+    assert_eq!(router.in_flight(), 1);
+}

@@ -7,11 +7,15 @@
 //!   ZMQ frames lives here too once the live-events work lands; the routing core only ever sees the
 //!   decoded values.
 //!
+//! - [`telemetry`]: engine load reports: SGLang `GET /v1/loads` and the Prometheus `/metrics` text
+//!   of vLLM and SGLang (`engine-protocols.md` §10), parsed into one engine-neutral shape.
+//!
 //! Nothing in this crate performs I/O or reads a clock.
 
 #![forbid(unsafe_code)]
 
 pub mod kv_events;
+pub mod telemetry;
 
 pub use kv_events::{
     is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent,

@@ -1,0 +1,201 @@
+//! Engine load reports, parsed.
+//!
+//! SGLang's `GET /v1/loads` returns JSON with one entry per data-parallel rank; vLLM and SGLang both
+//! expose Prometheus text at `/metrics`. Both parse into [`EngineLoad`], summed over ranks (KV usage is
+//! averaged). Fields an engine does not report are `None`; the gateway decides how to estimate them.
+
+use serde::Deserialize;
+
+/// Why a load report could not be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TelemetryError {
+    /// The body is not the JSON the endpoint documents.
+    #[error("invalid /v1/loads body: {0}")]
+    Json(String),
+    /// The body has no series kvgate understands.
+    #[error("no known load series in the report (expected vllm:num_requests_running or sglang:num_running_reqs)")]
+    NoKnownSeries,
+}
+
+/// One engine's load, as reported.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineLoad {
+    /// Requests queued.
+    pub waiting_requests: u64,
+    /// Requests running.
+    pub running_requests: u64,
+    /// Uncached prompt tokens of queued requests (SGLang only).
+    pub waiting_uncached_tokens: Option<u64>,
+    /// KV-cache usage, 0 to 1.
+    pub kv_usage: Option<f64>,
+    /// Tokens of running requests in the KV cache (SGLang only).
+    pub active_tokens: Option<u64>,
+    /// Generated tokens per second (SGLang only).
+    pub gen_throughput: Option<f64>,
+}
+
+#[derive(Deserialize)]
+struct LoadsBody {
+    loads: Vec<RankLoad>,
+}
+
+#[derive(Deserialize)]
+struct RankLoad {
+    #[serde(default)]
+    num_running_reqs: u64,
+    #[serde(default)]
+    num_waiting_reqs: u64,
+    num_waiting_uncached_tokens: Option<u64>,
+    num_active_tokens: Option<u64>,
+    token_usage: Option<f64>,
+    gen_throughput: Option<f64>,
+}
+
+fn sum_opt<T: std::ops::Add<Output = T> + Copy>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a + b),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Parses SGLang's `GET /v1/loads` JSON.
+pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
+    let parsed: LoadsBody =
+        serde_json::from_slice(body).map_err(|e| TelemetryError::Json(e.to_string()))?;
+    if parsed.loads.is_empty() {
+        return Err(TelemetryError::Json("`loads` is empty".into()));
+    }
+    let mut out = EngineLoad::default();
+    let mut usage = Vec::new();
+    for r in &parsed.loads {
+        out.waiting_requests += r.num_waiting_reqs;
+        out.running_requests += r.num_running_reqs;
+        out.waiting_uncached_tokens =
+            sum_opt(out.waiting_uncached_tokens, r.num_waiting_uncached_tokens);
+        out.active_tokens = sum_opt(out.active_tokens, r.num_active_tokens);
+        out.gen_throughput = sum_opt(out.gen_throughput, r.gen_throughput);
+        usage.extend(r.token_usage);
+    }
+    out.kv_usage = mean(&usage);
+    Ok(out)
+}
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| (v.iter().sum::<f64>() / v.len() as f64).clamp(0.0, 1.0))
+}
+
+/// Parses Prometheus text from vLLM (`vllm:*`) or SGLang (`sglang:*`), summing series over labels.
+pub fn parse_prometheus(text: &str) -> Result<EngineLoad, TelemetryError> {
+    let mut out = EngineLoad::default();
+    let mut known = false;
+    let mut usage = Vec::new();
+    let mut uncached: Option<u64> = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        let rest = match line[name_end..].strip_prefix('{') {
+            Some(r) => r.split_once('}').map_or("", |(_, v)| v),
+            None => &line[name_end..],
+        };
+        let Some(value) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
+            continue;
+        };
+        if !value.is_finite() || value < 0.0 {
+            continue;
+        }
+        match name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                out.running_requests += value as u64;
+                known = true;
+            }
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                out.waiting_requests += value as u64;
+                known = true;
+            }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => usage.push(value),
+            "sglang:gen_throughput" => {
+                out.gen_throughput = sum_opt(out.gen_throughput, Some(value))
+            }
+            "sglang:num_waiting_uncached_tokens" => {
+                uncached = sum_opt(uncached, Some(value as u64))
+            }
+            _ => {}
+        }
+    }
+    if !known {
+        return Err(TelemetryError::NoKnownSeries);
+    }
+    out.kv_usage = mean(&usage);
+    out.waiting_uncached_tokens = uncached;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sglang_loads_example_from_the_protocol_doc_parses() {
+        let body = br#"{"timestamp":"2023-11-14T22:21:40.250000+00:00","version":"0.5.23","accelerator":"NVIDIA H200","num_accelerators":1,
+ "loads":[{"timestamp":1700000500.25,"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":1,
+  "num_waiting_uncached_tokens":812,"num_used_tokens":5120,"num_total_tokens":5120,"num_active_tokens":4608,
+  "num_prealloc_ready_tokens":0,"max_total_num_tokens":411136,"max_running_requests":256,"token_usage":0.0125,
+  "gen_throughput":412.5,"cache_hit_rate":0.62,"utilization":0.4,"total_prefill_uncached_tokens":91234,
+  "total_prefill_busy_us":51234000,"decode_moments":null,
+  "queues":{"waiting":1,"grammar":0,"paused":0,"retracted":0,"prealloc_ready":0}}]}"#;
+        let l = parse_sglang_loads(body).unwrap();
+        assert_eq!((l.running_requests, l.waiting_requests), (3, 1));
+        assert_eq!(l.waiting_uncached_tokens, Some(812));
+        assert_eq!(l.kv_usage, Some(0.0125));
+        assert_eq!(l.gen_throughput, Some(412.5));
+    }
+
+    #[test]
+    fn dp_ranks_are_summed_and_usage_averaged() {
+        let body = br#"{"loads":[{"num_running_reqs":2,"num_waiting_reqs":1,"token_usage":0.2},
+                                   {"num_running_reqs":3,"num_waiting_reqs":0,"token_usage":0.4}]}"#;
+        let l = parse_sglang_loads(body).unwrap();
+        assert_eq!((l.running_requests, l.waiting_requests), (5, 1));
+        assert!((l.kv_usage.unwrap() - 0.3).abs() < 1e-12);
+        assert!(parse_sglang_loads(b"{}").is_err());
+        assert!(parse_sglang_loads(br#"{"loads":[]}"#).is_err());
+        assert!(parse_sglang_loads(b"not json").is_err());
+    }
+
+    #[test]
+    fn vllm_and_sglang_prometheus_text_parse() {
+        let vllm = "# HELP vllm:num_requests_running Number of requests\n# TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"M\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"M\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"M\"} 7.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"M\"} 0.5\n\
+            vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"M\"} 0.7\n\
+            vllm:prefix_cache_hits_total{model_name=\"M\"} 1234\n";
+        let l = parse_prometheus(vllm).unwrap();
+        assert_eq!((l.running_requests, l.waiting_requests), (5, 7));
+        assert!((l.kv_usage.unwrap() - 0.6).abs() < 1e-12);
+        let sglang = "sglang:num_running_reqs{model_name=\"M\",tp_rank=\"0\"} 4\nsglang:num_queue_reqs 2\nsglang:token_usage 0.25\n";
+        let l = parse_prometheus(sglang).unwrap();
+        assert_eq!(
+            (l.running_requests, l.waiting_requests, l.kv_usage),
+            (4, 2, Some(0.25))
+        );
+        assert_eq!(
+            parse_prometheus("up 1\n"),
+            Err(TelemetryError::NoKnownSeries)
+        );
+        assert!(parse_prometheus(
+            "vllm:num_requests_running{engine=\"0\"} NaN\nvllm:num_requests_waiting 1\n"
+        )
+        .is_ok());
+    }
+}

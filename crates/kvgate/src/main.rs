@@ -2,6 +2,7 @@
 //! the library crates.
 
 mod decide;
+mod serve;
 mod sim;
 
 use std::io::Read;
@@ -40,6 +41,11 @@ enum Command {
     /// Scenarios: hot-prefix-51, multi-prefix, mooncake (--trace FILE.jsonl), azure (--trace FILE.csv).
     /// See docs/simulator.md.
     Sim(Box<sim::SimArgs>),
+    /// Run the gateway: an OpenAI-compatible proxy in front of SGLang or vLLM engines.
+    ///
+    /// Settings come from --config FILE (TOML), then environment variables, then flags.
+    /// See docs/operations.md.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -71,6 +77,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Sim(args) => sim::run(*args),
+        Command::Serve(args) => serve::run(*args),
     }
 }
 

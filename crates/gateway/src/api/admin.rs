@@ -1,0 +1,240 @@
+//! The admin API: workers, policy, decision previews and the decision log. Guarded by the admin key.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kvgate_core::{Mode, Namespace, PolicyConfig, PolicyName, RequestId, RouteRequest, WorkerId};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::request::Endpoint;
+use super::{check_admin, parse_off_thread, read_json};
+use crate::config::{WorkerSpec, ADMISSION_WAIT_S};
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::{engines, GatewayError};
+
+fn gateway_error(e: GatewayError) -> ApiError {
+    match e {
+        GatewayError::NotFound(m) => ApiError::NotFound(m),
+        GatewayError::Conflict(m) | GatewayError::Config(m) => ApiError::InvalidRequest {
+            param: None,
+            message: m,
+        },
+        other => ApiError::InvalidRequest {
+            param: None,
+            message: other.to_string(),
+        },
+    }
+}
+
+/// `GET /admin/workers`.
+pub async fn list_workers(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    let views: Vec<_> = state
+        .engines
+        .read()
+        .values()
+        .map(|e| e.view(&state))
+        .collect();
+    Ok(Json(json!({ "workers": views })))
+}
+
+/// `POST /admin/workers` with a worker table (`{"url": ..., "id": ...}`).
+pub async fn add_worker(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    check_admin(&state, &headers)?;
+    let (_, value) = read_json(&state, body).await?;
+    let spec: WorkerSpec = serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest {
+        param: None,
+        message: e.to_string(),
+    })?;
+    let handle = state.add_engine(&spec).map_err(gateway_error)?;
+    engines::start(&state, &handle);
+    tracing::info!(engine = %handle.id, url = %handle.base, "worker added");
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "worker": handle.view(&state) })),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize)]
+struct RemoveBody {
+    id: String,
+}
+
+/// `DELETE /admin/workers/{id}`.
+pub async fn remove_worker(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    remove(&state, &id)
+}
+
+/// `DELETE /admin/workers` with `{"id": ...}`.
+pub async fn remove_worker_by_body(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    let (_, value) = read_json(&state, body).await?;
+    let b: RemoveBody =
+        serde_json::from_value(value).map_err(|e| ApiError::invalid("id", e.to_string()))?;
+    remove(&state, &b.id)
+}
+
+fn remove(state: &AppState, id: &str) -> Result<Json<Value>, ApiError> {
+    state
+        .remove_engine(&WorkerId::new(id))
+        .map_err(gateway_error)?;
+    tracing::info!(engine = id, "worker removed");
+    Ok(Json(json!({ "removed": id })))
+}
+
+fn policy_json(state: &AppState) -> Value {
+    let mut v = serde_json::to_value(state.router.policy()).unwrap_or(Value::Null);
+    v["admission_wait_s"] = json!(state.runtime.read().admission_wait_s);
+    v
+}
+
+/// `GET /admin/policy`.
+pub async fn get_policy(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    Ok(Json(policy_json(&state)))
+}
+
+/// The knobs `PUT /admin/policy` accepts; any subset.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyUpdate {
+    name: Option<PolicyName>,
+    mode: Option<Mode>,
+    escape_seconds: Option<f64>,
+    escape_waiting: Option<u64>,
+    stale_after_ms: Option<u64>,
+    kv_stale_after_ms: Option<u64>,
+    kv_barrier_threshold: Option<f64>,
+    kv_barrier_scale_s: Option<f64>,
+    balance_abs: Option<u64>,
+    balance_rel: Option<f64>,
+    distribution_seeding: Option<bool>,
+    admission_wait_s: Option<f64>,
+}
+
+/// `PUT /admin/policy`: changes any knobs, validated as a whole; nothing changes on error.
+pub async fn put_policy(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    let (_, value) = read_json(&state, body).await?;
+    let u: PolicyUpdate = serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest {
+        param: None,
+        message: e.to_string(),
+    })?;
+    let mut cfg = state.router.policy();
+    if let Some(name) = u.name {
+        let mode = u.mode.unwrap_or(if name == cfg.name {
+            cfg.mode
+        } else {
+            name.default_mode()
+        });
+        cfg = PolicyConfig { name, mode, ..cfg };
+    }
+    cfg.mode = u.mode.unwrap_or(cfg.mode);
+    cfg.escape_seconds = u.escape_seconds.unwrap_or(cfg.escape_seconds);
+    cfg.escape_waiting = u.escape_waiting.unwrap_or(cfg.escape_waiting);
+    cfg.stale_after_ms = u.stale_after_ms.unwrap_or(cfg.stale_after_ms);
+    cfg.kv_stale_after_ms = u.kv_stale_after_ms.unwrap_or(cfg.kv_stale_after_ms);
+    cfg.kv_barrier_threshold = u.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
+    cfg.kv_barrier_scale_s = u.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
+    cfg.balance_abs = u.balance_abs.unwrap_or(cfg.balance_abs);
+    cfg.balance_rel = u.balance_rel.unwrap_or(cfg.balance_rel);
+    cfg.distribution_seeding = u.distribution_seeding.unwrap_or(cfg.distribution_seeding);
+    let admission = match u.admission_wait_s {
+        Some(v) => Some(
+            ADMISSION_WAIT_S
+                .check(v)
+                .map_err(|e| ApiError::invalid("admission_wait_s", e.to_string()))?,
+        ),
+        None => None,
+    };
+    state
+        .router
+        .set_policy(cfg)
+        .map_err(|e| ApiError::InvalidRequest {
+            param: None,
+            message: e.to_string(),
+        })?;
+    if let Some(a) = admission {
+        state.runtime.write().admission_wait_s = a;
+    }
+    tracing::info!(policy = %policy_json(&state), "policy changed");
+    Ok(Json(policy_json(&state)))
+}
+
+/// `POST /admin/decide`: the decision record for a request body, without dispatching or reserving.
+pub async fn decide(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    let (_, value) = read_json(&state, body).await?;
+    let endpoint = Endpoint::infer(&value);
+    let parsed = parse_off_thread(&state, endpoint, value).await?;
+    let keys = state.router.request_keys(
+        Namespace::new(None, parsed.cache_salt.as_deref()),
+        &parsed.tokens,
+    );
+    let route = RouteRequest {
+        id: RequestId(0),
+        keys: &keys,
+        prompt_tokens: parsed.tokens.len() as u64,
+        max_tokens: parsed.max_tokens,
+    };
+    let decision = {
+        let mut rng = state.rng.lock();
+        state.router.preview(&route, state.clock.now(), &mut *rng)
+    }
+    .map_err(|_| ApiError::NoEligibleWorker)?;
+    Ok(Json(
+        json!({ "endpoint": endpoint.path(), "decision": decision }),
+    ))
+}
+
+#[derive(Deserialize)]
+pub struct DecisionsQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /admin/decisions?limit=N`: the most recent decisions, oldest first.
+pub async fn decisions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<DecisionsQuery>,
+) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    let log = state.decisions.lock();
+    let n = q.limit.unwrap_or(100).min(log.len());
+    let recent: Vec<_> = log.iter().skip(log.len() - n).cloned().collect();
+    Ok(Json(json!({ "decisions": recent })))
+}

@@ -1,0 +1,232 @@
+//! The HTTP surface: inference routes, operations routes and the admin API.
+
+mod admin;
+pub mod request;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::proxy;
+use crate::state::AppState;
+use request::Endpoint;
+
+/// The gateway's routes.
+pub fn routes(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/generate", post(generate))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route(
+            "/admin/workers",
+            get(admin::list_workers)
+                .post(admin::add_worker)
+                .delete(admin::remove_worker_by_body),
+        )
+        .route("/admin/workers/{id}", delete(admin::remove_worker))
+        .route(
+            "/admin/policy",
+            get(admin::get_policy).put(admin::put_policy),
+        )
+        .route("/admin/decide", post(admin::decide))
+        .route("/admin/decisions", get(admin::decisions))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::NotFound(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+/// The bearer token or `x-api-key` header.
+fn presented_key(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+        .map(str::trim)
+}
+
+/// Constant-time comparison, so a key can't be guessed byte by byte from response times.
+fn key_matches(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn check_client(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if state.config.api_keys.is_empty() {
+        return Ok(());
+    }
+    match presented_key(headers) {
+        Some(k) if state.config.api_keys.iter().any(|e| key_matches(k, e)) => Ok(()),
+        _ => Err(ApiError::Unauthorized),
+    }
+}
+
+/// Admin routes take the admin key (never a client key).
+pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    match &state.config.admin_key {
+        None => Ok(()),
+        Some(expected) => match presented_key(headers) {
+            Some(k) if key_matches(k, expected) => Ok(()),
+            _ => Err(ApiError::Unauthorized),
+        },
+    }
+}
+
+/// Reads the body up to the configured limit (413 beyond it) and parses it as JSON.
+pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Value), ApiError> {
+    let limit = state.config.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e).is_some_and(|s| {
+            s.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+        }) || e.to_string().contains("length limit");
+        if too_large {
+            ApiError::PayloadTooLarge(limit)
+        } else {
+            ApiError::InvalidRequest {
+                param: None,
+                message: format!("cannot read the request body: {e}"),
+            }
+        }
+    })?;
+    let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
+    Ok((bytes, value))
+}
+
+/// Tokenizing a large prompt is CPU work: keep it off the async workers.
+pub(crate) async fn parse_off_thread(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    value: Value,
+) -> Result<request::Parsed, ApiError> {
+    let s = state.clone();
+    tokio::task::spawn_blocking(move || {
+        request::parse(
+            endpoint,
+            &value,
+            s.tokenizer.as_ref(),
+            s.config.assumed_decode_tokens,
+        )
+    })
+    .await
+    .map_err(|_| ApiError::Internal)?
+}
+
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    let known = state.models.read();
+    match model {
+        // Until an engine has reported its models, any name is let through to the engines.
+        Some(m) if !known.is_empty() && !known.contains(m) => {
+            Err(ApiError::ModelNotFound(m.to_owned()))
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn infer(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let result = async {
+        check_client(&state, &headers)?;
+        let (bytes, value) = read_json(&state, body).await?;
+        let parsed = parse_off_thread(&state, endpoint, value).await?;
+        check_model(&state, parsed.model.as_deref())?;
+        Ok::<_, ApiError>((bytes, parsed))
+    }
+    .await;
+    match result {
+        Ok((bytes, parsed)) => proxy::dispatch(state, endpoint, bytes, parsed)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Err(e) => {
+            state.metrics.request(e.status().as_u16(), None);
+            e.into_response()
+        }
+    }
+}
+
+async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    infer(state, Endpoint::Chat, headers, body).await
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    infer(state, Endpoint::Completions, headers, body).await
+}
+
+async fn generate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    infer(state, Endpoint::Generate, headers, body).await
+}
+
+async fn models(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    check_client(&state, &headers)?;
+    let data: Vec<Value> = state
+        .models
+        .read()
+        .iter()
+        .map(|m| json!({"id": m, "object": "model", "owned_by": "kvgate"}))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let eligible = state
+        .router
+        .workers(state.clock.now())
+        .iter()
+        .filter(|w| w.eligible)
+        .count();
+    let status = if eligible > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": eligible > 0, "eligible_workers": eligible})),
+    )
+        .into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,671 @@
+//! Gateway configuration: a TOML file, overridden by flags and environment (the binary maps those
+//! onto [`Overrides`]), validated as a whole. Every bound is checked with a message naming the key.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kvgate_core::policy::Knob;
+use kvgate_core::{
+    Mode, PolicyConfig, PolicyName, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS,
+    PREFILL_TOKENS_PER_S,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::GatewayError;
+
+/// Which engine a worker runs; decides how its load is polled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// Try SGLang's `/v1/loads`, then Prometheus `/metrics`.
+    #[default]
+    Auto,
+    /// SGLang: `/v1/loads`.
+    Sglang,
+    /// vLLM: `/metrics`.
+    Vllm,
+}
+
+/// One engine endpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Base URL, e.g. `http://10.0.0.7:8000`.
+    pub url: String,
+    /// Name in logs, metrics and the admin API (default: the URL's host:port).
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Engine kind.
+    #[serde(default)]
+    pub engine: EngineKind,
+    /// Prefill throughput, tokens per second.
+    #[serde(default)]
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Decode throughput, tokens per second.
+    #[serde(default)]
+    pub decode_tokens_per_s: Option<f64>,
+    /// KV capacity in tokens.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
+    /// ZMQ endpoint of the engine's KV-event publisher (used once live events land).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// ZMQ endpoint of the engine's replay socket.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// KV-event topic.
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// The engine's block size, when it differs from the fleet's (such a worker is refused cache
+    /// credit).
+    #[serde(default)]
+    pub block_size: Option<u32>,
+}
+
+impl WorkerSpec {
+    /// A worker at `url` with defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        WorkerSpec {
+            url: url.into(),
+            id: None,
+            engine: EngineKind::Auto,
+            prefill_tokens_per_s: None,
+            decode_tokens_per_s: None,
+            kv_capacity_tokens: None,
+            kv_events: None,
+            replay: None,
+            topic: None,
+            block_size: None,
+        }
+    }
+
+    /// The worker's id: the configured one, or the URL without its scheme.
+    pub fn id(&self) -> String {
+        self.id.clone().unwrap_or_else(|| {
+            let u = self.url.trim_end_matches('/');
+            u.split_once("://").map_or(u, |(_, rest)| rest).to_owned()
+        })
+    }
+
+    /// Checks the URL and the numbers.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        let url = reqwest::Url::parse(&self.url)
+            .map_err(|e| GatewayError::Config(format!("worker url {:?}: {e}", self.url)))?;
+        if url.scheme() != "http" && url.scheme() != "https" {
+            return Err(GatewayError::Config(format!(
+                "worker url {:?}: scheme must be http or https",
+                self.url
+            )));
+        }
+        if url.host_str().is_none() {
+            return Err(GatewayError::Config(format!(
+                "worker url {:?}: no host",
+                self.url
+            )));
+        }
+        if self.id().trim().is_empty() {
+            return Err(GatewayError::Config(format!(
+                "worker url {:?}: empty id",
+                self.url
+            )));
+        }
+        for (knob, v) in [
+            (PREFILL_TOKENS_PER_S, self.prefill_tokens_per_s),
+            (DECODE_TOKENS_PER_S, self.decode_tokens_per_s),
+            (
+                KV_CAPACITY_TOKENS,
+                self.kv_capacity_tokens.map(|v| v as f64),
+            ),
+        ] {
+            if let Some(v) = v {
+                knob.check(v)
+                    .map_err(|e| GatewayError::Config(format!("worker {}: {e}", self.id())))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which tokenizer renders and tokenizes prompts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum TokenizerSpec {
+    /// kvgate's built-in tokenizer: no files, deterministic; matches kvgate's mock engine.
+    #[default]
+    Builtin,
+    /// A HuggingFace `tokenizer.json`, with the chat template from `tokenizer_config.json` (or a
+    /// Jinja file).
+    Hf {
+        /// Path to `tokenizer.json`.
+        path: String,
+        /// Path to `tokenizer_config.json` or to a `.jinja` chat template.
+        #[serde(default)]
+        chat_template: Option<String>,
+    },
+}
+
+/// The `[server]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServerTable {
+    host: Option<String>,
+    port: Option<u16>,
+    max_body_bytes: Option<usize>,
+    request_timeout_s: Option<f64>,
+    connect_timeout_ms: Option<u64>,
+    shutdown_grace_s: Option<f64>,
+    block_size: Option<u32>,
+    decision_log: Option<usize>,
+}
+
+/// The `[policy]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyTable {
+    name: Option<String>,
+    mode: Option<String>,
+    escape_seconds: Option<f64>,
+    escape_waiting: Option<u64>,
+    stale_after_ms: Option<u64>,
+    kv_stale_after_ms: Option<u64>,
+    kv_barrier_threshold: Option<f64>,
+    kv_barrier_scale_s: Option<f64>,
+    balance_abs: Option<u64>,
+    balance_rel: Option<f64>,
+    distribution_seeding: Option<bool>,
+    admission_wait_s: Option<f64>,
+    queue_timeout_ms: Option<u64>,
+    max_queued: Option<usize>,
+}
+
+/// The `[telemetry]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TelemetryTable {
+    poll_interval_ms: Option<u64>,
+    health_interval_ms: Option<u64>,
+    failures_to_open: Option<u32>,
+    assumed_prompt_tokens: Option<u64>,
+    assumed_decode_tokens: Option<u64>,
+}
+
+/// The `[security]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SecurityTable {
+    #[serde(default)]
+    api_keys: Vec<String>,
+    admin_key: Option<String>,
+}
+
+/// The whole TOML file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    server: ServerTable,
+    #[serde(default)]
+    policy: PolicyTable,
+    #[serde(default)]
+    telemetry: TelemetryTable,
+    #[serde(default)]
+    security: SecurityTable,
+    tokenizer: Option<TokenizerSpec>,
+    #[serde(default)]
+    workers: Vec<WorkerSpec>,
+}
+
+/// Values from flags and environment; each `Some` overrides the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// `--host`.
+    pub host: Option<String>,
+    /// `--port`.
+    pub port: Option<u16>,
+    /// `--worker` (repeatable); replaces the file's workers when given.
+    pub workers: Vec<String>,
+    /// `--policy`.
+    pub policy: Option<String>,
+    /// `--mode`.
+    pub mode: Option<String>,
+    /// `--escape-seconds`.
+    pub escape_seconds: Option<f64>,
+    /// `--escape-waiting`.
+    pub escape_waiting: Option<u64>,
+    /// `--admission-wait-s`.
+    pub admission_wait_s: Option<f64>,
+    /// `--block-size`.
+    pub block_size: Option<u32>,
+    /// `--tokenizer` (a `tokenizer.json` path, or `builtin`).
+    pub tokenizer: Option<String>,
+    /// `--chat-template`.
+    pub chat_template: Option<String>,
+    /// `--api-key` (repeatable).
+    pub api_keys: Vec<String>,
+    /// `--admin-key`.
+    pub admin_key: Option<String>,
+    /// `--max-body-bytes`.
+    pub max_body_bytes: Option<usize>,
+    /// `--poll-interval-ms`.
+    pub poll_interval_ms: Option<u64>,
+    /// `--health-interval-ms`.
+    pub health_interval_ms: Option<u64>,
+    /// `--shutdown-grace-s`.
+    pub shutdown_grace_s: Option<f64>,
+}
+
+/// Bounds of the gateway's own settings.
+pub const MAX_BODY_BYTES: Knob = Knob {
+    name: "max_body_bytes",
+    min: 1024.0,
+    max: 268_435_456.0,
+    default: 8_388_608.0,
+    meaning: "largest request body accepted; larger ones get 413",
+};
+/// See [`GatewayConfig::admission_wait_s`].
+pub const ADMISSION_WAIT_S: Knob = Knob {
+    name: "admission_wait_s",
+    min: 0.0,
+    max: 3600.0,
+    default: 30.0,
+    meaning:
+        "429 when the chosen worker's projected queue (wait + decode) exceeds this; 0 disables",
+};
+/// See [`GatewayConfig::queue_timeout`].
+pub const QUEUE_TIMEOUT_MS: Knob = Knob { name: "queue_timeout_ms", min: 0.0, max: 600_000.0, default: 0.0, meaning: "how long a request may wait for an eligible worker or for admission before 503/429; 0 answers at once" };
+/// See [`GatewayConfig::max_queued`].
+pub const MAX_QUEUED: Knob = Knob {
+    name: "max_queued",
+    min: 0.0,
+    max: 1_000_000.0,
+    default: 1024.0,
+    meaning: "requests that may wait at once when queue_timeout_ms > 0",
+};
+/// See [`GatewayConfig::request_timeout`].
+pub const REQUEST_TIMEOUT_S: Knob = Knob {
+    name: "request_timeout_s",
+    min: 1.0,
+    max: 86_400.0,
+    default: 600.0,
+    meaning: "longest a request may take end to end before 504",
+};
+/// See [`GatewayConfig::connect_timeout`].
+pub const CONNECT_TIMEOUT_MS: Knob = Knob {
+    name: "connect_timeout_ms",
+    min: 10.0,
+    max: 60_000.0,
+    default: 2000.0,
+    meaning: "TCP connect timeout to an engine; a failed connect is retried on another worker",
+};
+/// See [`GatewayConfig::poll_interval`].
+pub const POLL_INTERVAL_MS: Knob = Knob {
+    name: "poll_interval_ms",
+    min: 50.0,
+    max: 60_000.0,
+    default: 500.0,
+    meaning: "how often each engine's load is polled",
+};
+/// See [`GatewayConfig::health_interval`].
+pub const HEALTH_INTERVAL_MS: Knob = Knob {
+    name: "health_interval_ms",
+    min: 100.0,
+    max: 60_000.0,
+    default: 2000.0,
+    meaning: "how often each engine's /health is checked",
+};
+/// See [`GatewayConfig::failures_to_open`].
+pub const FAILURES_TO_OPEN: Knob = Knob {
+    name: "failures_to_open",
+    min: 1.0,
+    max: 100.0,
+    default: 3.0,
+    meaning: "consecutive failed health checks that take a worker out of rotation",
+};
+/// See [`GatewayConfig::shutdown_grace`].
+pub const SHUTDOWN_GRACE_S: Knob = Knob {
+    name: "shutdown_grace_s",
+    min: 0.0,
+    max: 3600.0,
+    default: 30.0,
+    meaning: "how long in-flight streams may drain after a shutdown signal",
+};
+/// See [`GatewayConfig::decision_log`].
+pub const DECISION_LOG: Knob = Knob {
+    name: "decision_log",
+    min: 0.0,
+    max: 1_000_000.0,
+    default: 1000.0,
+    meaning: "recent decisions kept for GET /admin/decisions",
+};
+/// See [`GatewayConfig::assumed_prompt_tokens`].
+pub const ASSUMED_PROMPT_TOKENS: Knob = Knob {
+    name: "assumed_prompt_tokens",
+    min: 1.0,
+    max: 10_000_000.0,
+    default: 1024.0,
+    meaning: "queued tokens per waiting request for engines that report only counts (vLLM)",
+};
+/// See [`GatewayConfig::assumed_decode_tokens`].
+pub const ASSUMED_DECODE_TOKENS: Knob = Knob {
+    name: "assumed_decode_tokens",
+    min: 1.0,
+    max: 10_000_000.0,
+    default: 256.0,
+    meaning: "decode tokens left per running request, since engines do not report it",
+};
+
+/// The gateway's validated configuration.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Listen address.
+    pub host: String,
+    /// Listen port (0: any free port).
+    pub port: u16,
+    /// The routing policy and its knobs.
+    pub policy: PolicyConfig,
+    /// Fleet block size (must equal the engines').
+    pub block_size: u32,
+    /// See [`ADMISSION_WAIT_S`].
+    pub admission_wait_s: f64,
+    /// See [`QUEUE_TIMEOUT_MS`].
+    pub queue_timeout: Duration,
+    /// See [`MAX_QUEUED`].
+    pub max_queued: usize,
+    /// Engines at start-up.
+    pub workers: Vec<WorkerSpec>,
+    /// Tokenizer.
+    pub tokenizer: TokenizerSpec,
+    /// Client API keys (empty: no client authentication).
+    pub api_keys: Vec<String>,
+    /// Admin key (none: admin routes are open; a warning is logged).
+    pub admin_key: Option<String>,
+    /// See [`MAX_BODY_BYTES`].
+    pub max_body_bytes: usize,
+    /// See [`REQUEST_TIMEOUT_S`].
+    pub request_timeout: Duration,
+    /// See [`CONNECT_TIMEOUT_MS`].
+    pub connect_timeout: Duration,
+    /// See [`POLL_INTERVAL_MS`].
+    pub poll_interval: Duration,
+    /// See [`HEALTH_INTERVAL_MS`].
+    pub health_interval: Duration,
+    /// See [`FAILURES_TO_OPEN`].
+    pub failures_to_open: u32,
+    /// See [`SHUTDOWN_GRACE_S`].
+    pub shutdown_grace: Duration,
+    /// See [`DECISION_LOG`].
+    pub decision_log: usize,
+    /// See [`ASSUMED_PROMPT_TOKENS`].
+    pub assumed_prompt_tokens: u64,
+    /// See [`ASSUMED_DECODE_TOKENS`].
+    pub assumed_decode_tokens: u64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig::build(FileConfig::default(), Overrides::default())
+            .expect("defaults are valid")
+    }
+}
+
+fn check(knob: Knob, v: f64) -> Result<f64, GatewayError> {
+    knob.check(v)
+        .map_err(|e| GatewayError::Config(e.to_string()))
+}
+
+fn pick<T: Copy + Into<f64>>(
+    knob: Knob,
+    over: Option<T>,
+    file: Option<T>,
+) -> Result<f64, GatewayError> {
+    check(knob, over.or(file).map_or(knob.default, Into::into))
+}
+
+impl GatewayConfig {
+    /// Reads `path` (if any), applies `overrides`, and validates.
+    pub fn load(path: Option<&Path>, overrides: Overrides) -> Result<Self, GatewayError> {
+        let file = match path {
+            None => FileConfig::default(),
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| {
+                    GatewayError::Config(format!("cannot read {}: {e}", p.display()))
+                })?;
+                toml::from_str(&text)
+                    .map_err(|e| GatewayError::Config(format!("{}: {e}", p.display())))?
+            }
+        };
+        Self::build(file, overrides)
+    }
+
+    /// Parses TOML text (for tests and embedding) with no overrides.
+    pub fn from_toml(text: &str) -> Result<Self, GatewayError> {
+        let file: FileConfig =
+            toml::from_str(text).map_err(|e| GatewayError::Config(e.to_string()))?;
+        Self::build(file, Overrides::default())
+    }
+
+    fn build(f: FileConfig, o: Overrides) -> Result<Self, GatewayError> {
+        let p = &f.policy;
+        let name: PolicyName = o
+            .policy
+            .as_deref()
+            .or(p.name.as_deref())
+            .unwrap_or("projected")
+            .parse()
+            .map_err(cfg_err)?;
+        let mut policy = PolicyConfig::new(name);
+        if let Some(mode) = o.mode.as_deref().or(p.mode.as_deref()) {
+            policy.mode = mode.parse::<Mode>().map_err(cfg_err)?;
+        }
+        policy.escape_seconds = o
+            .escape_seconds
+            .or(p.escape_seconds)
+            .unwrap_or(policy.escape_seconds);
+        policy.escape_waiting = o
+            .escape_waiting
+            .or(p.escape_waiting)
+            .unwrap_or(policy.escape_waiting);
+        policy.stale_after_ms = p.stale_after_ms.unwrap_or(policy.stale_after_ms);
+        policy.kv_stale_after_ms = p.kv_stale_after_ms.unwrap_or(policy.kv_stale_after_ms);
+        policy.kv_barrier_threshold = p
+            .kv_barrier_threshold
+            .unwrap_or(policy.kv_barrier_threshold);
+        policy.kv_barrier_scale_s = p.kv_barrier_scale_s.unwrap_or(policy.kv_barrier_scale_s);
+        policy.balance_abs = p.balance_abs.unwrap_or(policy.balance_abs);
+        policy.balance_rel = p.balance_rel.unwrap_or(policy.balance_rel);
+        policy.distribution_seeding = p.distribution_seeding.unwrap_or(false);
+        policy.validate().map_err(cfg_err)?;
+
+        let workers = if o.workers.is_empty() {
+            f.workers
+        } else {
+            o.workers.iter().map(WorkerSpec::new).collect()
+        };
+        let mut ids = std::collections::HashSet::new();
+        for w in &workers {
+            w.validate()?;
+            if !ids.insert(w.id()) {
+                return Err(GatewayError::Config(format!(
+                    "two workers are named {:?}; give them distinct ids",
+                    w.id()
+                )));
+            }
+        }
+        let tokenizer = match o.tokenizer.as_deref() {
+            None => f.tokenizer.unwrap_or_default(),
+            Some("builtin") => TokenizerSpec::Builtin,
+            Some(path) => TokenizerSpec::Hf {
+                path: path.to_owned(),
+                chat_template: o.chat_template.clone(),
+            },
+        };
+        let s = &f.server;
+        let t = &f.telemetry;
+        let block_size = pick(BLOCK_SIZE, o.block_size, s.block_size)? as u32;
+        let mut api_keys = f.security.api_keys.clone();
+        api_keys.extend(o.api_keys.iter().cloned());
+        if api_keys.iter().any(|k| k.trim().is_empty()) {
+            return Err(GatewayError::Config(
+                "api_keys: empty keys are not allowed".into(),
+            ));
+        }
+        let admin_key = o.admin_key.clone().or(f.security.admin_key.clone());
+        if admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return Err(GatewayError::Config(
+                "admin_key: an empty key is not allowed".into(),
+            ));
+        }
+        Ok(GatewayConfig {
+            host: o
+                .host
+                .clone()
+                .or(s.host.clone())
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            port: o.port.or(s.port).unwrap_or(8080),
+            policy,
+            block_size,
+            admission_wait_s: pick(ADMISSION_WAIT_S, o.admission_wait_s, p.admission_wait_s)?,
+            queue_timeout: Duration::from_millis(pick(
+                QUEUE_TIMEOUT_MS,
+                None,
+                p.queue_timeout_ms.map(|v| v as f64),
+            )? as u64),
+            max_queued: pick(MAX_QUEUED, None, p.max_queued.map(|v| v as f64))? as usize,
+            workers,
+            tokenizer,
+            api_keys,
+            admin_key,
+            max_body_bytes: pick(
+                MAX_BODY_BYTES,
+                o.max_body_bytes.map(|v| v as f64),
+                s.max_body_bytes.map(|v| v as f64),
+            )? as usize,
+            request_timeout: Duration::from_secs_f64(pick(
+                REQUEST_TIMEOUT_S,
+                None,
+                s.request_timeout_s,
+            )?),
+            connect_timeout: Duration::from_millis(pick(
+                CONNECT_TIMEOUT_MS,
+                None,
+                s.connect_timeout_ms.map(|v| v as f64),
+            )? as u64),
+            poll_interval: Duration::from_millis(pick(
+                POLL_INTERVAL_MS,
+                o.poll_interval_ms.map(|v| v as f64),
+                t.poll_interval_ms.map(|v| v as f64),
+            )? as u64),
+            health_interval: Duration::from_millis(pick(
+                HEALTH_INTERVAL_MS,
+                o.health_interval_ms.map(|v| v as f64),
+                t.health_interval_ms.map(|v| v as f64),
+            )? as u64),
+            failures_to_open: pick(FAILURES_TO_OPEN, None, t.failures_to_open.map(f64::from))?
+                as u32,
+            shutdown_grace: Duration::from_secs_f64(pick(
+                SHUTDOWN_GRACE_S,
+                o.shutdown_grace_s,
+                s.shutdown_grace_s,
+            )?),
+            decision_log: pick(DECISION_LOG, None, s.decision_log.map(|v| v as f64))? as usize,
+            assumed_prompt_tokens: pick(
+                ASSUMED_PROMPT_TOKENS,
+                None,
+                t.assumed_prompt_tokens.map(|v| v as f64),
+            )? as u64,
+            assumed_decode_tokens: pick(
+                ASSUMED_DECODE_TOKENS,
+                None,
+                t.assumed_decode_tokens.map(|v| v as f64),
+            )? as u64,
+        })
+    }
+}
+
+fn cfg_err(e: kvgate_core::CoreError) -> GatewayError {
+    GatewayError::Config(e.to_string())
+}
+
+/// Every gateway knob, for documentation.
+pub const KNOBS: &[Knob] = &[
+    MAX_BODY_BYTES,
+    ADMISSION_WAIT_S,
+    QUEUE_TIMEOUT_MS,
+    MAX_QUEUED,
+    REQUEST_TIMEOUT_S,
+    CONNECT_TIMEOUT_MS,
+    POLL_INTERVAL_MS,
+    HEALTH_INTERVAL_MS,
+    FAILURES_TO_OPEN,
+    SHUTDOWN_GRACE_S,
+    DECISION_LOG,
+    ASSUMED_PROMPT_TOKENS,
+    ASSUMED_DECODE_TOKENS,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_file_form_parses() {
+        let cfg = GatewayConfig::from_toml(
+            r#"
+            [server]
+            host = "0.0.0.0"
+            port = 9000
+            [policy]
+            name = "projected"
+            mode = "shadow"
+            escape_seconds = 3.0
+            escape_waiting = 32
+            [[workers]]
+            url = "http://10.0.0.1:8000"
+            kv_events = "tcp://10.0.0.1:5557"
+            replay = "tcp://10.0.0.1:5558"
+            topic = "kv-events"
+            block_size = 16
+            [[workers]]
+            url = "http://10.0.0.2:8000"
+            id = "b"
+            "#,
+        )
+        .unwrap();
+        assert_eq!((cfg.host.as_str(), cfg.port), ("0.0.0.0", 9000));
+        assert_eq!(cfg.policy.mode, Mode::Shadow);
+        assert_eq!(cfg.workers[0].id(), "10.0.0.1:8000");
+        assert_eq!(cfg.workers[1].id(), "b");
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let err = |t: &str| GatewayConfig::from_toml(t).unwrap_err().to_string();
+        assert!(err("[policy]\nescape_seconds = -1").contains("escape_seconds"));
+        assert!(err("[server]\nmax_body_bytes = 10").contains("max_body_bytes"));
+        assert!(err("[server]\ncolour = 1").contains("unknown field `colour`"));
+        assert!(err("[[workers]]\nurl = \"ftp://x\"").contains("scheme"));
+        assert!(err("[[workers]]\nurl = \"not a url\"").contains("worker url"));
+        assert!(
+            err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"")
+                .contains("distinct ids")
+        );
+        assert!(
+            err("[policy]\nname = \"projected\"\ndistribution_seeding = true")
+                .contains("distribution_seeding")
+        );
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let o = Overrides {
+            port: Some(1234),
+            workers: vec!["http://x:1".into()],
+            mode: Some("off".into()),
+            ..Overrides::default()
+        };
+        let cfg = GatewayConfig::build(FileConfig::default(), o).unwrap();
+        assert_eq!(cfg.port, 1234);
+        assert_eq!(cfg.workers.len(), 1);
+        assert_eq!(cfg.policy.mode, Mode::Off);
+    }
+}

@@ -1,0 +1,282 @@
+//! The engine registry's background work: health checks with a circuit breaker, load polling
+//! (SGLang `/v1/loads` or Prometheus `/metrics`), and model discovery. One task per engine.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_core::{LoadSnapshot, WorkerId};
+use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoad};
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::config::{EngineKind, WorkerSpec};
+use crate::state::AppState;
+
+/// Health checks between model-list refreshes.
+const MODELS_EVERY: u32 = 15;
+
+/// What the gateway knows about one engine besides the core's view.
+#[derive(Debug)]
+pub struct EngineHandle {
+    /// Worker id.
+    pub id: WorkerId,
+    /// The configuration it was registered with.
+    pub spec: WorkerSpec,
+    /// Base URL without a trailing slash.
+    pub base: String,
+    /// Consecutive failed health checks (or a connect failure, which opens the circuit at once).
+    pub failures: AtomicU32,
+    /// Whether the circuit is closed (health checks pass).
+    pub healthy: AtomicBool,
+    /// Which load endpoint worked last.
+    pub telemetry: Mutex<Option<EngineKind>>,
+    /// The last load poll's error, if it failed.
+    pub telemetry_error: Mutex<Option<String>>,
+    /// Models the engine reports.
+    pub models: Mutex<Vec<String>>,
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+/// An engine as `GET /admin/workers` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineView {
+    /// Worker id.
+    pub id: WorkerId,
+    /// Base URL.
+    pub url: String,
+    /// Health checks pass.
+    pub healthy: bool,
+    /// Consecutive failures.
+    pub consecutive_failures: u32,
+    /// The load endpoint in use.
+    pub telemetry: Option<EngineKind>,
+    /// The last load poll error.
+    pub telemetry_error: Option<String>,
+    /// Models served.
+    pub models: Vec<String>,
+    /// The core's view: reconciled load, KV state, blocks held, reservations.
+    pub router: Option<kvgate_core::WorkerStatus>,
+    /// Last KV-event sequence number applied (live events are not wired yet).
+    pub last_event_seq: Option<u64>,
+}
+
+impl EngineHandle {
+    /// A handle for a freshly registered engine (healthy until proven otherwise).
+    pub fn new(id: WorkerId, spec: WorkerSpec) -> Self {
+        EngineHandle {
+            id,
+            base: spec.url.trim_end_matches('/').to_owned(),
+            spec,
+            failures: AtomicU32::new(0),
+            healthy: AtomicBool::new(true),
+            telemetry: Mutex::new(None),
+            telemetry_error: Mutex::new(None),
+            models: Mutex::new(Vec::new()),
+            task: Mutex::new(None),
+        }
+    }
+
+    /// Stops the engine's background task.
+    pub fn stop(&self) {
+        if let Some(t) = self.task.lock().take() {
+            t.abort();
+        }
+    }
+
+    /// A snapshot for the admin API.
+    pub fn view(&self, state: &AppState) -> EngineView {
+        EngineView {
+            id: self.id.clone(),
+            url: self.base.clone(),
+            healthy: self.healthy.load(Ordering::Relaxed),
+            consecutive_failures: self.failures.load(Ordering::Relaxed),
+            telemetry: *self.telemetry.lock(),
+            telemetry_error: self.telemetry_error.lock().clone(),
+            models: self.models.lock().clone(),
+            router: state.router.worker_status(&self.id, state.clock.now()).ok(),
+            last_event_seq: None,
+        }
+    }
+}
+
+/// Starts the background task of every registered engine.
+pub fn start_all(state: &Arc<AppState>) {
+    let engines: Vec<_> = state.engines.read().values().cloned().collect();
+    for e in engines {
+        start(state, &e);
+    }
+}
+
+/// Starts one engine's background task.
+pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
+    let task = tokio::spawn(run(Arc::downgrade(state), engine.clone()));
+    *engine.task.lock() = Some(task.abort_handle());
+}
+
+/// Takes an engine out of rotation after a failed connect; health checks bring it back.
+pub fn connect_failed(state: &AppState, engine: &EngineHandle) {
+    engine
+        .failures
+        .store(state.config.failures_to_open, Ordering::Relaxed);
+    set_healthy(state, engine, false);
+}
+
+fn set_healthy(state: &AppState, engine: &EngineHandle, healthy: bool) {
+    if engine.healthy.swap(healthy, Ordering::Relaxed) != healthy {
+        if healthy {
+            tracing::info!(engine = %engine.id, "engine healthy again: back in rotation");
+        } else {
+            tracing::warn!(engine = %engine.id, "engine unhealthy: out of rotation");
+        }
+    }
+    let _ = state.router.set_eligible(&engine.id, healthy);
+}
+
+async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>) {
+    let Some(s) = state.upgrade() else { return };
+    let (poll_every, health_every) = (s.config.poll_interval, s.config.health_interval);
+    drop(s);
+    let mut poll = tokio::time::interval(poll_every);
+    let mut health = tokio::time::interval(health_every);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checks = 0u32;
+    loop {
+        tokio::select! {
+            _ = health.tick() => {
+                let Some(s) = state.upgrade() else { return };
+                check_health(&s, &engine, checks.is_multiple_of(MODELS_EVERY)).await;
+                checks = checks.wrapping_add(1);
+            }
+            _ = poll.tick() => {
+                let Some(s) = state.upgrade() else { return };
+                poll_load(&s, &engine).await;
+            }
+        }
+    }
+}
+
+async fn check_health(state: &AppState, engine: &EngineHandle, refresh_models: bool) {
+    let timeout = state.config.health_interval.min(Duration::from_secs(5));
+    let ok = matches!(
+        state.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await,
+        Ok(r) if r.status().is_success()
+    );
+    if ok {
+        engine.failures.store(0, Ordering::Relaxed);
+        set_healthy(state, engine, true);
+        if refresh_models || engine.models.lock().is_empty() {
+            refresh_model_list(state, engine, timeout).await;
+        }
+    } else {
+        let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= state.config.failures_to_open {
+            set_healthy(state, engine, false);
+        }
+    }
+}
+
+async fn refresh_model_list(state: &AppState, engine: &EngineHandle, timeout: Duration) {
+    let Ok(resp) = state
+        .http
+        .get(format!("{}/v1/models", engine.base))
+        .timeout(timeout)
+        .send()
+        .await
+    else {
+        return;
+    };
+    let Ok(body) = resp.json::<serde_json::Value>().await else {
+        return;
+    };
+    let ids: Vec<String> = body
+        .get("data")
+        .and_then(|d| d.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(|m| m.get("id").and_then(|v| v.as_str()).map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    *engine.models.lock() = ids;
+    let all: std::collections::BTreeSet<String> = state
+        .engines
+        .read()
+        .values()
+        .flat_map(|e| e.models.lock().clone())
+        .collect();
+    *state.models.write() = all;
+}
+
+async fn fetch(state: &AppState, url: String) -> Result<Vec<u8>, String> {
+    let timeout = state
+        .config
+        .poll_interval
+        .max(Duration::from_millis(200))
+        .min(Duration::from_secs(5));
+    let resp = state
+        .http
+        .get(&url)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!("{url}: HTTP {}", resp.status()));
+    }
+    resp.bytes()
+        .await
+        .map(|b| b.to_vec())
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+async fn poll_load(state: &AppState, engine: &EngineHandle) {
+    let kinds: &[EngineKind] = match (engine.spec.engine, *engine.telemetry.lock()) {
+        (EngineKind::Sglang, _) | (EngineKind::Auto, Some(EngineKind::Sglang)) => {
+            &[EngineKind::Sglang]
+        }
+        (EngineKind::Vllm, _) | (EngineKind::Auto, Some(EngineKind::Vllm)) => &[EngineKind::Vllm],
+        (EngineKind::Auto, _) => &[EngineKind::Sglang, EngineKind::Vllm],
+    };
+    let mut last_err = String::new();
+    for kind in kinds {
+        let result = match kind {
+            EngineKind::Sglang => fetch(state, format!("{}/v1/loads", engine.base))
+                .await
+                .and_then(|b| parse_sglang_loads(&b).map_err(|e| e.to_string())),
+            _ => fetch(state, format!("{}/metrics", engine.base))
+                .await
+                .and_then(|b| {
+                    parse_prometheus(&String::from_utf8_lossy(&b)).map_err(|e| e.to_string())
+                }),
+        };
+        match result {
+            Ok(load) => {
+                *engine.telemetry.lock() = Some(*kind);
+                *engine.telemetry_error.lock() = None;
+                let snapshot = to_snapshot(state, &load);
+                let _ = state.router.update_load(&engine.id, snapshot);
+                return;
+            }
+            Err(e) => last_err = e,
+        }
+    }
+    tracing::debug!(engine = %engine.id, error = %last_err, "load poll failed");
+    *engine.telemetry_error.lock() = Some(last_err);
+}
+
+/// The core's load snapshot from an engine's report; what the engine does not report is estimated
+/// from counts (see `assumed_prompt_tokens` and `assumed_decode_tokens`).
+pub fn to_snapshot(state: &AppState, load: &EngineLoad) -> LoadSnapshot {
+    LoadSnapshot {
+        waiting_requests: load.waiting_requests,
+        waiting_tokens: load
+            .waiting_uncached_tokens
+            .unwrap_or(load.waiting_requests * state.config.assumed_prompt_tokens),
+        running_requests: load.running_requests,
+        active_decode_tokens: load.running_requests * state.config.assumed_decode_tokens,
+        kv_usage: load.kv_usage.unwrap_or(0.0),
+        observed_at: state.clock.now(),
+    }
+}

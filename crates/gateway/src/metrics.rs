@@ -1,0 +1,193 @@
+//! Prometheus metrics, all named `kvgate_*`.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// `status` and `engine` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// HTTP status code sent to the client.
+    pub status: String,
+    /// Engine that served it (`none` when no engine was chosen).
+    pub engine: String,
+}
+
+/// An `engine` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabel {
+    /// The engine's worker id.
+    pub engine: String,
+}
+
+/// A `reason` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Decision reason or fallback reason.
+    pub reason: String,
+}
+
+/// Every metric the gateway exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by final status and engine.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Time to decide (tokenizing excluded), seconds.
+    pub decision_latency: Histogram,
+    /// Decisions by reason.
+    pub decisions: Family<ReasonLabel, Counter>,
+    /// Shadow decisions where enforce would have chosen another engine.
+    pub shadow_disagreements: Counter,
+    /// Escapes to the load-only winner (enforce, or would-be in shadow).
+    pub escapes: Counter,
+    /// Fallbacks to load-only by reason (enforce, or would-be in shadow).
+    pub fallbacks: Family<ReasonLabel, Counter>,
+    /// Upstream time to first byte, by engine.
+    pub upstream_ttft: Family<EngineLabel, Histogram>,
+    /// Upstream request duration, by engine.
+    pub upstream_duration: Family<EngineLabel, Histogram>,
+    /// Requests in flight, by engine.
+    pub in_flight: Family<EngineLabel, Gauge>,
+    /// Projected seconds of each engine at its latest scoring.
+    pub projected_seconds: Family<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Retries of a failed connect on another engine.
+    pub retries: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by final status and engine",
+            requests.clone(),
+        );
+        let decision_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
+        registry.register(
+            "decision_duration_seconds",
+            "Time to decide and reserve",
+            decision_latency.clone(),
+        );
+        let decisions = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "decisions",
+            "Routing decisions by reason",
+            decisions.clone(),
+        );
+        let shadow_disagreements = Counter::default();
+        registry.register(
+            "shadow_disagreements",
+            "Shadow decisions where enforce would choose another engine",
+            shadow_disagreements.clone(),
+        );
+        let escapes = Counter::default();
+        registry.register(
+            "escapes",
+            "Escapes from the cache winner to the load-only winner",
+            escapes.clone(),
+        );
+        let fallbacks = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "fallbacks",
+            "Load-only fallbacks by telemetry problem",
+            fallbacks.clone(),
+        );
+        let upstream_ttft = Family::<EngineLabel, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "upstream_ttft_seconds",
+            "Upstream time to first byte",
+            upstream_ttft.clone(),
+        );
+        let upstream_duration = Family::<EngineLabel, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "upstream_duration_seconds",
+            "Upstream request duration",
+            upstream_duration.clone(),
+        );
+        let in_flight = Family::<EngineLabel, Gauge>::default();
+        registry.register(
+            "in_flight",
+            "Requests in flight per engine",
+            in_flight.clone(),
+        );
+        let projected_seconds =
+            Family::<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "projected_seconds",
+            "Projected seconds per engine at its latest scoring",
+            projected_seconds.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "retries",
+            "Failed connects retried on another engine",
+            retries.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            decision_latency,
+            decisions,
+            shadow_disagreements,
+            escapes,
+            fallbacks,
+            upstream_ttft,
+            upstream_duration,
+            in_flight,
+            projected_seconds,
+            retries,
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        encode(&mut s, &self.registry).expect("writing to a String cannot fail");
+        s
+    }
+
+    /// Counts a finished request.
+    pub fn request(&self, status: u16, engine: Option<&str>) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                status: status.to_string(),
+                engine: engine.unwrap_or("none").to_owned(),
+            })
+            .inc();
+    }
+
+    /// The in-flight gauge of an engine.
+    pub fn in_flight_of(&self, engine: &str) -> Gauge {
+        self.in_flight
+            .get_or_create(&EngineLabel {
+                engine: engine.to_owned(),
+            })
+            .clone()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}

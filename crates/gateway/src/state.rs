@@ -1,0 +1,177 @@
+//! Shared gateway state: the core router, the engine registry, the tokenizer, metrics and the
+//! decision log.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::Arc;
+
+use kvgate_core::{Decision, KvState, Router, WorkerConfig, WorkerId};
+use parking_lot::{Mutex, RwLock};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::clock::Clock;
+use crate::config::{GatewayConfig, WorkerSpec};
+use crate::engines::EngineHandle;
+use crate::metrics::Metrics;
+use crate::tokenize::PromptTokenizer;
+use crate::GatewayError;
+
+/// One entry of the decision log.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoggedDecision {
+    /// Milliseconds since the gateway started.
+    pub at_ms: u64,
+    /// The API route that was called.
+    pub endpoint: &'static str,
+    /// The decision record (shadow counterfactuals included).
+    pub decision: Decision,
+}
+
+/// Settings that can change at runtime besides the policy.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Runtime {
+    /// See [`crate::config::ADMISSION_WAIT_S`].
+    pub admission_wait_s: f64,
+}
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// The configuration the gateway started with.
+    pub config: GatewayConfig,
+    /// Runtime-tunable settings.
+    pub runtime: RwLock<Runtime>,
+    /// The routing core.
+    pub router: Router,
+    /// The clock the core's timestamps come from.
+    pub clock: Clock,
+    /// Registered engines, by id.
+    pub engines: RwLock<BTreeMap<WorkerId, Arc<EngineHandle>>>,
+    /// Prompt tokenizer.
+    pub tokenizer: Arc<dyn PromptTokenizer>,
+    /// HTTP client for engines.
+    pub http: reqwest::Client,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Recent decisions.
+    pub decisions: Mutex<VecDeque<LoggedDecision>>,
+    /// Next request id.
+    pub next_request: AtomicU64,
+    /// Requests waiting for capacity (bounded queueing).
+    pub queued: AtomicUsize,
+    /// Tie-breaking randomness.
+    pub rng: Mutex<ChaCha8Rng>,
+    /// Models the engines serve (union).
+    pub models: RwLock<BTreeSet<String>>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("engines", &self.engines.read().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// Builds the state (no background tasks yet; [`crate::engines::start`] runs them).
+    pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
+        let router = Router::new(config.block_size, config.policy.clone())
+            .map_err(|e| GatewayError::Config(e.to_string()))?;
+        let tokenizer = crate::tokenize::build(&config.tokenizer)
+            .map_err(|e| GatewayError::Config(e.to_string()))?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            .build()
+            .map_err(|e| GatewayError::Config(format!("http client: {e}")))?;
+        let clock = Clock::start();
+        let seed = crate::clock::entropy();
+        let state = Arc::new(AppState {
+            runtime: RwLock::new(Runtime {
+                admission_wait_s: config.admission_wait_s,
+            }),
+            router,
+            clock,
+            engines: RwLock::new(BTreeMap::new()),
+            tokenizer,
+            http,
+            metrics: Metrics::new(),
+            decisions: Mutex::new(VecDeque::new()),
+            next_request: AtomicU64::new(1),
+            queued: AtomicUsize::new(0),
+            rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
+            models: RwLock::new(BTreeSet::new()),
+            config,
+        });
+        for w in state.config.workers.clone() {
+            state.add_engine(&w)?;
+        }
+        Ok(state)
+    }
+
+    /// Registers an engine (the caller starts its background task).
+    pub fn add_engine(&self, spec: &WorkerSpec) -> Result<Arc<EngineHandle>, GatewayError> {
+        spec.validate()?;
+        let id = WorkerId::new(spec.id());
+        let mut wc = WorkerConfig::new(id.clone());
+        wc.prefill_tokens_per_s = spec.prefill_tokens_per_s.unwrap_or(wc.prefill_tokens_per_s);
+        wc.decode_tokens_per_s = spec.decode_tokens_per_s.unwrap_or(wc.decode_tokens_per_s);
+        wc.kv_capacity_tokens = spec.kv_capacity_tokens.unwrap_or(wc.kv_capacity_tokens);
+        // No event stream yet: the worker holds no blocks, so it earns no credit either way; a
+        // block-size mismatch is refused outright.
+        let state = match spec.block_size {
+            Some(b) if b != self.config.block_size => KvState::Invalid(format!(
+                "engine block_size {b} differs from the gateway's block_size {}",
+                self.config.block_size
+            )),
+            _ => KvState::Synced,
+        };
+        self.router.add_worker(wc, state).map_err(|e| match e {
+            kvgate_core::CoreError::DuplicateWorker(id) => {
+                GatewayError::Conflict(format!("worker {id} is already registered"))
+            }
+            other => GatewayError::Config(other.to_string()),
+        })?;
+        let handle = Arc::new(EngineHandle::new(id.clone(), spec.clone()));
+        self.engines.write().insert(id, handle.clone());
+        Ok(handle)
+    }
+
+    /// Removes an engine; in-flight requests finish, but their reservations are dropped.
+    pub fn remove_engine(&self, id: &WorkerId) -> Result<(), GatewayError> {
+        let handle = self
+            .engines
+            .write()
+            .remove(id)
+            .ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
+        handle.stop();
+        self.router
+            .remove_worker(id)
+            .map_err(|e| GatewayError::NotFound(e.to_string()))?;
+        Ok(())
+    }
+
+    /// The engine handle of a worker.
+    pub fn engine(&self, id: &WorkerId) -> Option<Arc<EngineHandle>> {
+        self.engines.read().get(id).cloned()
+    }
+
+    /// Appends to the bounded decision log.
+    pub fn log_decision(&self, endpoint: &'static str, decision: Decision) {
+        let cap = self.config.decision_log;
+        if cap == 0 {
+            return;
+        }
+        let mut log = self.decisions.lock();
+        if log.len() >= cap {
+            log.pop_front();
+        }
+        log.push_back(LoggedDecision {
+            at_ms: self.clock.now().as_micros() / 1000,
+            endpoint,
+            decision,
+        });
+    }
+}

@@ -1,0 +1,282 @@
+//! In-process fake engines and a gateway harness for black-box tests on loopback, port 0.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvgate_gateway::{AppState, GatewayConfig};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+
+/// A recorded SSE stream from `../shared/data/sse/`, or a synthetic one when shared data is absent.
+pub fn recorded_stream(name: &str) -> String {
+    let path = format!(
+        "{}/../../../shared/data/sse/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|_| {
+        eprintln!("{path} not found; using a synthetic stream");
+        (0..20)
+            .map(|i| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"))
+            .collect::<String>()
+            + "data: [DONE]\n\n"
+    })
+}
+
+/// The events of an SSE text, each with its blank-line terminator.
+pub fn events(sse: &str) -> Vec<String> {
+    sse.split_inclusive("\n\n").map(str::to_owned).collect()
+}
+
+/// How a fake engine behaves; tests change it while it runs.
+#[derive(Debug, Clone)]
+pub struct Behavior {
+    /// Delay before each streamed event.
+    pub chunk_delay: Duration,
+    /// Break the connection after this many events.
+    pub fail_after: Option<usize>,
+    /// What `/v1/loads` reports: (waiting requests, waiting uncached tokens, running).
+    pub load: (u64, u64, u64),
+    /// Whether `/health` answers 200.
+    pub healthy: bool,
+    /// Models reported.
+    pub models: Vec<String>,
+    /// The SSE text streamed for chat.
+    pub chat_stream: String,
+}
+
+impl Default for Behavior {
+    fn default() -> Self {
+        Behavior {
+            chunk_delay: Duration::from_millis(2),
+            fail_after: None,
+            load: (0, 0, 0),
+            healthy: true,
+            models: vec!["test-model".into()],
+            chat_stream: recorded_stream("chat_completions_chat-completion.streaming.1"),
+        }
+    }
+}
+
+/// A fake engine: OpenAI routes, `/generate`, `/health`, `/v1/models`, `/v1/loads`.
+#[derive(Clone)]
+pub struct FakeEngine {
+    pub addr: SocketAddr,
+    pub behavior: Arc<Mutex<Behavior>>,
+    /// Every inference body received, byte for byte, with its path.
+    pub received: Arc<Mutex<Vec<(String, Bytes)>>>,
+}
+
+impl FakeEngine {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn set(&self, f: impl FnOnce(&mut Behavior)) {
+        f(&mut self.behavior.lock());
+    }
+
+    pub fn requests(&self) -> usize {
+        self.received.lock().len()
+    }
+}
+
+fn stream_events(b: &Behavior, text: String) -> Response {
+    let (delay, fail_after) = (b.chunk_delay, b.fail_after);
+    let events = events(&text);
+    let stream = futures_util::stream::unfold(0usize, move |i| {
+        let events = events.clone();
+        async move {
+            if fail_after == Some(i) {
+                // Give the events already written time to reach the gateway before the reset.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return Some((Err(std::io::Error::other("engine crashed")), usize::MAX));
+            }
+            if i >= events.len() {
+                return None;
+            }
+            tokio::time::sleep(delay).await;
+            Some((
+                Ok::<_, std::io::Error>(Bytes::from(events[i].clone())),
+                i + 1,
+            ))
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+async fn inference(engine: FakeEngine, path: &str, body: Bytes) -> Response {
+    engine.received.lock().push((path.to_owned(), body.clone()));
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let b = engine.behavior.lock().clone();
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    match (path, stream) {
+        ("/v1/chat/completions", true) => stream_events(&b, b.chat_stream.clone()),
+        ("/v1/completions", true) => stream_events(&b, recorded_stream("completions_completion.streaming.1")),
+        ("/generate", true) => stream_events(&b, "data: {\"text\":\"a\"}\n\ndata: {\"text\":\"ab\"}\n\ndata: [DONE]\n\n".into()),
+        ("/generate", false) => Json(json!({"text": "ok", "meta_info": {"prompt_tokens": 3}})).into_response(),
+        _ => Json(json!({"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]})).into_response(),
+    }
+}
+
+/// Starts a fake engine on 127.0.0.1:0.
+pub async fn fake_engine() -> FakeEngine {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = FakeEngine {
+        addr: listener.local_addr().unwrap(),
+        behavior: Arc::new(Mutex::new(Behavior::default())),
+        received: Arc::new(Mutex::new(Vec::new())),
+    };
+    let app = Router::new()
+        .route("/v1/chat/completions", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/v1/chat/completions", body).await }))
+        .route("/v1/completions", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/v1/completions", body).await }))
+        .route("/generate", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/generate", body).await }))
+        .route("/health", get(|State(e): State<FakeEngine>| async move { if e.behavior.lock().healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE } }))
+        .route("/v1/models", get(|State(e): State<FakeEngine>| async move {
+            let models: Vec<Value> = e.behavior.lock().models.iter().map(|m| json!({"id": m, "object": "model"})).collect();
+            Json(json!({"object": "list", "data": models}))
+        }))
+        .route("/v1/loads", get(|State(e): State<FakeEngine>| async move {
+            let (w, t, r) = e.behavior.lock().load;
+            Json(json!({"loads": [{"dp_rank": 0, "num_waiting_reqs": w, "num_waiting_uncached_tokens": t, "num_running_reqs": r, "token_usage": 0.1}]}))
+        }))
+        .with_state(engine.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    engine
+}
+
+/// An address where nothing listens.
+pub async fn dead_url() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    format!("http://{addr}")
+}
+
+/// A running gateway.
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<()>,
+    pub client: reqwest::Client,
+}
+
+impl Gateway {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn get_json(&self, path: &str) -> Value {
+        self.client
+            .get(self.url(path))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Signals shutdown (the server drains) and returns the server task.
+    pub fn shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Waits until every worker has reported its load at least once.
+    pub async fn wait_for_load(&self) {
+        let ok = self
+            .eventually(Duration::from_secs(3), |s| {
+                s.router
+                    .workers(s.clock.now())
+                    .iter()
+                    .all(|w| w.load_age_ms.is_some())
+            })
+            .await;
+        assert!(ok, "load reports did not arrive");
+    }
+
+    /// Polls until `f` holds or `timeout` passes.
+    pub async fn eventually(
+        &self,
+        timeout: Duration,
+        mut f: impl FnMut(&AppState) -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if f(&self.state) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        f(&self.state)
+    }
+}
+
+/// Base TOML for tests: fast polls and health checks.
+pub fn base_toml(urls: &[String], extra: &str) -> String {
+    let fast = "[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 100\n";
+    let mut s = if extra.contains("[telemetry]\n") {
+        extra.replace("[telemetry]\n", fast)
+    } else {
+        format!("{fast}{extra}")
+    };
+    s.push('\n');
+    for u in urls {
+        s.push_str(&format!("[[workers]]\nurl = \"{u}\"\n"));
+    }
+    s
+}
+
+/// Starts a gateway on 127.0.0.1:0 with `toml` (workers included).
+pub async fn gateway(toml: &str) -> Gateway {
+    let mut config = GatewayConfig::from_toml(toml).unwrap();
+    config.port = 0;
+    let state = AppState::new(config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let s = state.clone();
+    let task = tokio::spawn(async move {
+        kvgate_gateway::serve(listener, s, async move {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap();
+    });
+    Gateway {
+        addr,
+        state,
+        shutdown: Some(tx),
+        task,
+        client: reqwest::Client::new(),
+    }
+}
+
+/// A small chat request.
+pub fn chat_body(stream: bool) -> Value {
+    json!({"model": "test-model", "stream": stream, "max_tokens": 32,
+           "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]})
+}

@@ -9,8 +9,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvgate_core::{
-    KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, RequestId, RouteRequest, Router,
-    Timestamp, WorkerConfig, WorkerId,
+    KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig,
+    WorkerId,
 };
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 use rand::SeedableRng;
@@ -30,9 +30,7 @@ fn store(router: &Router, worker: &WorkerId, prompt: &[u32], hash_base: u64) {
     let mut events = Vec::new();
     for start in (0..blocks).step_by(64) {
         let end = (start + 64).min(blocks);
-        let hashes: Vec<EngineHash> = (start..end)
-            .map(|b| EngineHash(hash_base + b as u64))
-            .collect();
+        let hashes: Vec<EngineHash> = (start..end).map(|b| EngineHash(hash_base + b as u64)).collect();
         let last = hashes.last().copied();
         events.push(KvEvent::BlockStored(BlockStored {
             block_hashes: hashes,
@@ -43,22 +41,16 @@ fn store(router: &Router, worker: &WorkerId, prompt: &[u32], hash_base: u64) {
         }));
         parent = last;
     }
-    router
-        .apply_kv_events(worker, &events, Timestamp::ZERO)
-        .unwrap();
+    router.apply_kv_events(worker, &events, Timestamp::ZERO).unwrap();
 }
 
 /// A fleet of `workers` with varied load, ~1M indexed blocks of unrelated prefixes, and the request's
 /// 8k-token prefix (minus its last 512 tokens) held by a few workers so the overlap walk is long.
 fn setup(workers: usize) -> (Router, Vec<u32>) {
     let router = Router::new(BLOCK, PolicyConfig::projected(Mode::Enforce)).unwrap();
-    let ids: Vec<WorkerId> = (0..workers)
-        .map(|i| WorkerId::new(format!("w{i}")))
-        .collect();
+    let ids: Vec<WorkerId> = (0..workers).map(|i| WorkerId::new(format!("w{i}"))).collect();
     for (i, id) in ids.iter().enumerate() {
-        router
-            .add_worker(WorkerConfig::new(id.clone()), KvState::Synced)
-            .unwrap();
+        router.add_worker(WorkerConfig::new(id.clone()), KvState::Synced).unwrap();
         let load = LoadSnapshot {
             waiting_requests: (i % 7) as u64,
             waiting_tokens: (i % 7) as u64 * 3000,
@@ -76,12 +68,7 @@ fn setup(workers: usize) -> (Router, Vec<u32>) {
     }
     let prompt = tokens(7, PROMPT_TOKENS);
     for (k, id) in ids.iter().enumerate().take(4) {
-        store(
-            &router,
-            id,
-            &prompt[..PROMPT_TOKENS - 512],
-            1 << 40 | (k as u64) << 32,
-        );
+        store(&router, id, &prompt[..PROMPT_TOKENS - 512], 1 << 40 | (k as u64) << 32);
     }
     (router, prompt)
 }
@@ -93,21 +80,14 @@ fn bench_decision(c: &mut Criterion) {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let mut next = 0u64;
         let mut decide_and_release = |keys: &[kvgate_core::BlockKey]| {
-            let req = RouteRequest {
-                id: RequestId(next),
-                keys,
-                prompt_tokens: prompt.len() as u64,
-                max_tokens: 256,
-            };
+            let req = RouteRequest { id: RequestId(next), keys, prompt_tokens: prompt.len() as u64, max_tokens: 256 };
             next += 1;
             let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
             router.release(d.request, Timestamp::ZERO).unwrap();
             black_box(d.worker);
         };
         group.bench_function(BenchmarkId::new("hash_decide_release", workers), |b| {
-            b.iter(|| {
-                decide_and_release(&router.request_keys(Namespace::DEFAULT, black_box(&prompt)))
-            })
+            b.iter(|| decide_and_release(&router.request_keys(Namespace::DEFAULT, black_box(&prompt))))
         });
         let keys = router.request_keys(Namespace::DEFAULT, &prompt);
         group.bench_function(BenchmarkId::new("decide_release_prehashed", workers), |b| {
@@ -117,9 +97,7 @@ fn bench_decision(c: &mut Criterion) {
     group.bench_function("hash_8k_prompt", |b| {
         let prompt = tokens(7, PROMPT_TOKENS);
         let mut hasher = kvgate_core::BlockHasher::new();
-        b.iter(|| {
-            black_box(hasher.prompt_keys(Namespace::DEFAULT, black_box(&prompt), BLOCK as usize))
-        })
+        b.iter(|| black_box(hasher.prompt_keys(Namespace::DEFAULT, black_box(&prompt), BLOCK as usize)))
     });
     group.finish();
 }

@@ -19,20 +19,13 @@ fn events(worker: u64) -> (Vec<KvEvent>, Vec<KvEvent>) {
     let mut stored = Vec::new();
     let mut removed = Vec::new();
     for r in 0..RUNS {
-        let tokens = kvgate_core::hashing::synthetic_tokens(
-            worker << 32 | r as u64,
-            BLOCKS_PER_RUN * BLOCK as usize,
-        );
-        let hashes: Vec<EngineHash> = (0..BLOCKS_PER_RUN)
-            .map(|b| EngineHash(((r * BLOCKS_PER_RUN + b) as u64) << 8 | worker))
-            .collect();
+        let tokens = kvgate_core::hashing::synthetic_tokens(worker << 32 | r as u64, BLOCKS_PER_RUN * BLOCK as usize);
+        let hashes: Vec<EngineHash> =
+            (0..BLOCKS_PER_RUN).map(|b| EngineHash(((r * BLOCKS_PER_RUN + b) as u64) << 8 | worker)).collect();
         // vLLM sends one BlockRemoved per hash.
-        removed.extend(hashes.iter().map(|h| {
-            KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![*h],
-                ..Default::default()
-            })
-        }));
+        removed.extend(
+            hashes.iter().map(|h| KvEvent::BlockRemoved(BlockRemoved { block_hashes: vec![*h], ..Default::default() })),
+        );
         stored.push(KvEvent::BlockStored(BlockStored {
             block_hashes: hashes,
             parent_block_hash: None,

@@ -166,26 +166,15 @@ impl WorkerState {
     }
 
     /// Why the load report can't be trusted for cache credit, if it can't.
-    pub(crate) fn load_problem(
-        &self,
-        now: Timestamp,
-        stale_after: Duration,
-    ) -> Option<FallbackReason> {
+    pub(crate) fn load_problem(&self, now: Timestamp, stale_after: Duration) -> Option<FallbackReason> {
         match &self.snapshot {
             None => Some(FallbackReason::Missing),
-            Some(s) if now.saturating_since(s.observed_at) > stale_after => {
-                Some(FallbackReason::Stale)
-            }
+            Some(s) if now.saturating_since(s.observed_at) > stale_after => Some(FallbackReason::Stale),
             Some(_) => None,
         }
     }
 
-    pub(crate) fn status(
-        &self,
-        now: Timestamp,
-        kv_state: crate::index::KvState,
-        blocks_held: usize,
-    ) -> WorkerStatus {
+    pub(crate) fn status(&self, now: Timestamp, kv_state: crate::index::KvState, blocks_held: usize) -> WorkerStatus {
         let load = self.load();
         WorkerStatus {
             id: self.config.id.clone(),
@@ -197,9 +186,7 @@ impl WorkerState {
             running_requests: load.running_requests,
             decode_tokens: load.decode_tokens,
             kv_usage: load.kv_tokens as f64 / load.kv_capacity_tokens.max(1) as f64,
-            load_age_ms: self
-                .snapshot
-                .map(|s| now.saturating_since(s.observed_at).as_millis() as u64),
+            load_age_ms: self.snapshot.map(|s| now.saturating_since(s.observed_at).as_millis() as u64),
             in_flight: self.ledger.in_flight(),
             reserved: self.ledger.delta(),
             prefill_tokens_per_s: load.prefill_tps,
@@ -224,17 +211,12 @@ pub(crate) struct Fleet {
 
 impl Fleet {
     pub(crate) fn slot_of(&self, id: &WorkerId) -> Result<WorkerSlot, CoreError> {
-        self.by_id
-            .get(id)
-            .copied()
-            .ok_or_else(|| CoreError::UnknownWorker(id.clone()))
+        self.by_id.get(id).copied().ok_or_else(|| CoreError::UnknownWorker(id.clone()))
     }
 
     pub(crate) fn worker_mut(&mut self, id: &WorkerId) -> Result<&mut WorkerState, CoreError> {
         let slot = self.slot_of(id)?;
-        Ok(self.workers[slot.index()]
-            .as_mut()
-            .expect("by_id names live slots"))
+        Ok(self.workers[slot.index()].as_mut().expect("by_id names live slots"))
     }
 
     pub(crate) fn insert(&mut self, config: WorkerConfig) -> Result<WorkerSlot, CoreError> {
@@ -251,14 +233,9 @@ impl Fleet {
     }
 
     /// Removes a worker; returns its slot and the requests that were in flight on it.
-    pub(crate) fn remove(
-        &mut self,
-        id: &WorkerId,
-    ) -> Result<(WorkerSlot, Vec<RequestId>), CoreError> {
+    pub(crate) fn remove(&mut self, id: &WorkerId) -> Result<(WorkerSlot, Vec<RequestId>), CoreError> {
         let slot = self.slot_of(id)?;
-        let mut state = self.workers[slot.index()]
-            .take()
-            .expect("by_id names live slots");
+        let mut state = self.workers[slot.index()].take().expect("by_id names live slots");
         self.by_id.remove(id);
         let dropped = state.ledger.drain();
         for req in &dropped {

@@ -79,13 +79,7 @@ impl BlockHasher {
 
     /// Appends to `out` the keys of every full block of `tokens`, chained from `parent`. A trailing
     /// partial block gets no key: engines only publish full blocks.
-    pub fn extend_keys(
-        &mut self,
-        parent: BlockKey,
-        tokens: &[u32],
-        block_size: usize,
-        out: &mut Vec<BlockKey>,
-    ) {
+    pub fn extend_keys(&mut self, parent: BlockKey, tokens: &[u32], block_size: usize, out: &mut Vec<BlockKey>) {
         if block_size == 0 {
             return;
         }
@@ -97,12 +91,7 @@ impl BlockHasher {
     }
 
     /// The keys of every full block of a prompt in `namespace`.
-    pub fn prompt_keys(
-        &mut self,
-        namespace: Namespace,
-        tokens: &[u32],
-        block_size: usize,
-    ) -> Vec<BlockKey> {
+    pub fn prompt_keys(&mut self, namespace: Namespace, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
         let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
         self.extend_keys(namespace.root(), tokens, block_size, &mut out);
         out
@@ -153,10 +142,7 @@ mod tests {
     fn keys_hash_tokens_as_little_endian_u32() {
         let mut h = BlockHasher::new();
         let bytes: Vec<u8> = [1u32, 2, 3].iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(
-            h.block_key(BlockKey(5), &[1, 2, 3]),
-            BlockKey(xxh3_64_with_seed(&bytes, 5))
-        );
+        assert_eq!(h.block_key(BlockKey(5), &[1, 2, 3]), BlockKey(xxh3_64_with_seed(&bytes, 5)));
     }
 
     #[test]

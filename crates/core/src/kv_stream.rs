@@ -50,12 +50,7 @@ pub struct StreamTracker<T> {
 
 impl<T> Default for StreamTracker<T> {
     fn default() -> Self {
-        StreamTracker {
-            last_live: None,
-            applied: None,
-            buffered: BTreeMap::new(),
-            replay_from: None,
-        }
+        StreamTracker { last_live: None, applied: None, buffered: BTreeMap::new(), replay_from: None }
     }
 }
 
@@ -110,17 +105,9 @@ impl<T> StreamTracker<T> {
     /// Handles the reply to the outstanding replay request: the batches the publisher still had,
     /// with `seq >= from`, in any order. An empty or failed reply is `replayed = []`.
     pub fn on_replay(&mut self, replayed: Vec<(u64, T)>) -> ReplayOutcome<T> {
-        let from = self
-            .replay_from
-            .take()
-            .unwrap_or_else(|| self.next_expected());
-        let mut replayed: BTreeMap<u64, T> =
-            replayed.into_iter().filter(|(s, _)| *s >= from).collect();
-        let first_available = replayed
-            .keys()
-            .next()
-            .copied()
-            .or_else(|| self.buffered.keys().next().copied());
+        let from = self.replay_from.take().unwrap_or_else(|| self.next_expected());
+        let mut replayed: BTreeMap<u64, T> = replayed.into_iter().filter(|(s, _)| *s >= from).collect();
+        let first_available = replayed.keys().next().copied().or_else(|| self.buffered.keys().next().copied());
         let history_lost = first_available.is_some_and(|first| first > from);
         for (seq, batch) in std::mem::take(&mut self.buffered) {
             replayed.entry(seq).or_insert(batch);
@@ -133,10 +120,7 @@ impl<T> StreamTracker<T> {
             }
         }
         let apply = self.drain_contiguous();
-        ReplayOutcome {
-            apply,
-            history_lost,
-        }
+        ReplayOutcome { apply, history_lost }
     }
 
     fn buffer(&mut self, seq: u64, batch: T) {
@@ -184,13 +168,7 @@ mod tests {
         assert_eq!(t.on_live(3, 3), LiveAction::Replay { from: 1 });
         assert_eq!(t.on_live(4, 4), LiveAction::Buffered);
         let out = t.on_replay(vec![(2, 2), (1, 1), (3, 3)]);
-        assert_eq!(
-            out,
-            ReplayOutcome {
-                apply: vec![1, 2, 3, 4],
-                history_lost: false
-            }
-        );
+        assert_eq!(out, ReplayOutcome { apply: vec![1, 2, 3, 4], history_lost: false });
         assert_eq!(t.on_live(5, 5), LiveAction::Apply(vec![5]));
     }
 
@@ -199,22 +177,10 @@ mod tests {
         let mut t = StreamTracker::new();
         assert_eq!(t.on_live(7, 7), LiveAction::Replay { from: 0 });
         let out = t.on_replay(vec![(5, 5), (6, 6)]);
-        assert_eq!(
-            out,
-            ReplayOutcome {
-                apply: vec![5, 6, 7],
-                history_lost: true
-            }
-        );
+        assert_eq!(out, ReplayOutcome { apply: vec![5, 6, 7], history_lost: true });
         let mut t = StreamTracker::new();
         t.on_live(3, 3);
-        assert_eq!(
-            t.on_replay(vec![]),
-            ReplayOutcome {
-                apply: vec![3],
-                history_lost: true
-            }
-        );
+        assert_eq!(t.on_replay(vec![]), ReplayOutcome { apply: vec![3], history_lost: true });
     }
 
     #[test]
@@ -223,13 +189,7 @@ mod tests {
         t.on_live(0, 0);
         t.on_live(1, 1);
         assert_eq!(t.on_live(0, 100), LiveAction::Restart);
-        assert_eq!(
-            t.on_replay(vec![(0, 100)]),
-            ReplayOutcome {
-                apply: vec![100],
-                history_lost: false
-            }
-        );
+        assert_eq!(t.on_replay(vec![(0, 100)]), ReplayOutcome { apply: vec![100], history_lost: false });
         assert_eq!(t.on_live(1, 101), LiveAction::Apply(vec![101]));
     }
 }

@@ -160,9 +160,7 @@ impl WorkerLedger {
 
     /// Whether the request is tracked and unfinished.
     pub fn is_in_flight(&self, id: RequestId) -> bool {
-        self.requests
-            .get(&id)
-            .is_some_and(|t| t.finished_at.is_none())
+        self.requests.get(&id).is_some_and(|t| t.finished_at.is_none())
     }
 
     /// Requests tracked, finished ones awaiting reconciliation included.
@@ -175,12 +173,7 @@ impl WorkerLedger {
         if self.requests.contains_key(&id) {
             return false;
         }
-        let tracked = Tracked {
-            work,
-            reserved_at: now,
-            first_token_at: None,
-            finished_at: None,
-        };
+        let tracked = Tracked { work, reserved_at: now, first_token_at: None, finished_at: None };
         self.delta.add(tracked.term(self.snapshot_at), 1);
         self.requests.insert(id, tracked);
         self.in_flight += 1;
@@ -202,9 +195,7 @@ impl WorkerLedger {
         self.in_flight -= 1;
         self.finished_retained += 1;
         let tracked = &self.requests[&id];
-        if tracked.term(self.snapshot_at).is_zero()
-            && tracked.phase_seen_by(self.snapshot_at) == Phase::Absent
-        {
+        if tracked.term(self.snapshot_at).is_zero() && tracked.phase_seen_by(self.snapshot_at) == Phase::Absent {
             self.requests.remove(&id);
             self.finished_retained -= 1;
         } else if self.finished_retained > MAX_RETAINED_FINISHED {
@@ -230,16 +221,8 @@ impl WorkerLedger {
 
     /// Forgets every tracked request (the worker restarted or was removed). Returns the unfinished ids.
     pub fn drain(&mut self) -> Vec<RequestId> {
-        let ids = self
-            .requests
-            .iter()
-            .filter(|(_, t)| t.finished_at.is_none())
-            .map(|(id, _)| *id)
-            .collect();
-        *self = WorkerLedger {
-            snapshot_at: self.snapshot_at,
-            ..WorkerLedger::default()
-        };
+        let ids = self.requests.iter().filter(|(_, t)| t.finished_at.is_none()).map(|(id, _)| *id).collect();
+        *self = WorkerLedger { snapshot_at: self.snapshot_at, ..WorkerLedger::default() };
         ids
     }
 
@@ -277,11 +260,7 @@ mod tests {
     use super::*;
 
     fn work(p: u64, d: u64) -> Work {
-        Work {
-            prefill_tokens: p,
-            decode_tokens: d,
-            kv_tokens: p + d,
-        }
+        Work { prefill_tokens: p, decode_tokens: d, kv_tokens: p + d }
     }
 
     fn ms(v: u64) -> Timestamp {
@@ -315,11 +294,7 @@ mod tests {
         assert_eq!(l.delta().waiting_tokens, -100);
         assert_eq!(l.delta().decode_tokens, 10);
         l.finish(RequestId(1), ms(30)).unwrap();
-        assert_eq!(
-            l.delta().waiting_tokens,
-            -100,
-            "the snapshot still shows it until a newer one"
-        );
+        assert_eq!(l.delta().waiting_tokens, -100, "the snapshot still shows it until a newer one");
         assert_eq!(l.delta().decode_tokens, 0);
         l.on_snapshot(ms(40));
         assert!(l.delta().is_zero());

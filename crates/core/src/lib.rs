@@ -71,9 +71,7 @@ pub mod time;
 
 pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};
 pub use error::CoreError;
-pub use fleet::{
-    WorkerConfig, WorkerStatus, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S,
-};
+pub use fleet::{WorkerConfig, WorkerStatus, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S};
 pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};

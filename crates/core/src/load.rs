@@ -40,10 +40,7 @@ pub struct Throughput {
 impl Throughput {
     /// A throughput of `configured` tokens per second with no observations yet.
     pub fn new(configured: f64) -> Self {
-        Throughput {
-            configured,
-            ewma: None,
-        }
+        Throughput { configured, ewma: None }
     }
 
     /// The configured value.
@@ -69,10 +66,9 @@ impl Throughput {
     pub fn effective(&self) -> f64 {
         match self.ewma {
             None => self.configured,
-            Some(rate) => rate.clamp(
-                self.configured / THROUGHPUT_CORRECTION_BOUND,
-                self.configured * THROUGHPUT_CORRECTION_BOUND,
-            ),
+            Some(rate) => {
+                rate.clamp(self.configured / THROUGHPUT_CORRECTION_BOUND, self.configured * THROUGHPUT_CORRECTION_BOUND)
+            }
         }
     }
 }

@@ -128,11 +128,7 @@ impl Router {
     }
 
     /// Registers a worker with the given initial KV state.
-    pub fn add_worker(
-        &self,
-        config: WorkerConfig,
-        kv_state: KvState,
-    ) -> Result<WorkerSlot, CoreError> {
+    pub fn add_worker(&self, config: WorkerConfig, kv_state: KvState) -> Result<WorkerSlot, CoreError> {
         config.validate()?;
         let mut fleet = self.fleet.lock();
         let slot = fleet.insert(config)?;
@@ -167,13 +163,7 @@ impl Router {
 
     /// Folds an observed rate (`tokens` processed in `seconds`) into the worker's prefill or decode
     /// throughput estimate.
-    pub fn observe_rate(
-        &self,
-        id: &WorkerId,
-        kind: RateKind,
-        tokens: f64,
-        seconds: f64,
-    ) -> Result<(), CoreError> {
+    pub fn observe_rate(&self, id: &WorkerId, kind: RateKind, tokens: f64, seconds: f64) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
         let worker = fleet.worker_mut(id)?;
         match kind {
@@ -184,12 +174,7 @@ impl Router {
     }
 
     /// Applies decoded KV events from one worker's stream.
-    pub fn apply_kv_events(
-        &self,
-        id: &WorkerId,
-        events: &[KvEvent],
-        now: Timestamp,
-    ) -> Result<ApplyStats, CoreError> {
+    pub fn apply_kv_events(&self, id: &WorkerId, events: &[KvEvent], now: Timestamp) -> Result<ApplyStats, CoreError> {
         let slot = self.fleet.lock().slot_of(id)?;
         Ok(self.index.write().apply_events(slot, events, now))
     }
@@ -216,10 +201,7 @@ impl Router {
         let slot = fleet.slot_of(id)?;
         let index = self.index.read();
         let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
-        Ok(fleet.workers[slot.index()]
-            .as_ref()
-            .expect("live slot")
-            .status(now, state, index.blocks_held(slot)))
+        Ok(fleet.workers[slot.index()].as_ref().expect("live slot").status(now, state, index.blocks_held(slot)))
     }
 
     /// Every worker's status, in registration-slot order.
@@ -233,8 +215,7 @@ impl Router {
             .filter_map(|(i, w)| {
                 let slot = WorkerSlot(i as u32);
                 let state = index.state(slot).cloned().unwrap_or(KvState::Synced);
-                w.as_ref()
-                    .map(|w| w.status(now, state, index.blocks_held(slot)))
+                w.as_ref().map(|w| w.status(now, state, index.blocks_held(slot)))
             })
             .collect()
     }
@@ -252,14 +233,9 @@ impl Router {
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let slot = *fleet
-            .requests
-            .get(&id)
-            .ok_or(CoreError::UnknownRequest(id))?;
+        let slot = *fleet.requests.get(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
-            w.ledger
-                .first_token(id, now)
-                .map_err(|_| CoreError::UnknownRequest(id))?;
+            w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
         Ok(())
     }
@@ -267,14 +243,9 @@ impl Router {
     /// Releases a request's reservation: it finished, failed or its client went away.
     pub fn release(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
-        let slot = fleet
-            .requests
-            .remove(&id)
-            .ok_or(CoreError::UnknownRequest(id))?;
+        let slot = fleet.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
-            w.ledger
-                .finish(id, now)
-                .map_err(|_| CoreError::UnknownRequest(id))?;
+            w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
         Ok(())
     }
@@ -314,27 +285,17 @@ impl Router {
             return Err(DecideError::DuplicateRequest(req.id));
         }
         let scored = self.score_all(fleet, req, now, &cfg);
-        let load_winner =
-            least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
-                .ok_or(DecideError::NoEligibleWorker)?;
+        let load_winner = least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
+            .ok_or(DecideError::NoEligibleWorker)?;
 
         let (chosen, reason, enforce) = match cfg.name {
             PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),
             PolicyName::Projected => {
-                let (enforce_choice, enforce_reason) =
-                    projected_choice(&scored, load_winner, draw, &cfg);
+                let (enforce_choice, enforce_reason) = projected_choice(&scored, load_winner, draw, &cfg);
                 match cfg.mode {
                     Mode::Off => (load_winner, Reason::LoadOnly, None),
-                    Mode::Shadow => (
-                        load_winner,
-                        Reason::Shadow,
-                        Some((enforce_choice, enforce_reason)),
-                    ),
-                    Mode::Enforce => (
-                        enforce_choice,
-                        enforce_reason,
-                        Some((enforce_choice, enforce_reason)),
-                    ),
+                    Mode::Shadow => (load_winner, Reason::Shadow, Some((enforce_choice, enforce_reason))),
+                    Mode::Enforce => (enforce_choice, enforce_reason, Some((enforce_choice, enforce_reason))),
                 }
             }
             PolicyName::CacheAware => {
@@ -345,16 +306,10 @@ impl Router {
 
         let winner = &scored[chosen];
         let prefill_tokens = req.prompt_tokens - winner.cached_tokens;
-        let work = Work {
-            prefill_tokens,
-            decode_tokens: req.max_tokens,
-            kv_tokens: prefill_tokens + req.max_tokens,
-        };
+        let work = Work { prefill_tokens, decode_tokens: req.max_tokens, kv_tokens: prefill_tokens + req.max_tokens };
         if commit {
             let last_event_at = self.index.read().last_event_at(winner.slot);
-            let state = fleet.workers[winner.slot.index()]
-                .as_mut()
-                .expect("scored slots are live");
+            let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
             state.routed += 1;
             let answered = match (state.unanswered_dispatch_since, last_event_at) {
@@ -368,14 +323,7 @@ impl Router {
             fleet.requests.insert(req.id, winner.slot);
         }
 
-        let id_of = |i: usize| {
-            fleet.workers[scored[i].slot.index()]
-                .as_ref()
-                .expect("live")
-                .config
-                .id
-                .clone()
-        };
+        let id_of = |i: usize| fleet.workers[scored[i].slot.index()].as_ref().expect("live").config.id.clone();
         Ok(Decision {
             request: req.id,
             policy: cfg.name,
@@ -391,13 +339,7 @@ impl Router {
         })
     }
 
-    fn score_all(
-        &self,
-        fleet: &mut Fleet,
-        req: &RouteRequest<'_>,
-        now: Timestamp,
-        cfg: &PolicyConfig,
-    ) -> Vec<Scored> {
+    fn score_all(&self, fleet: &mut Fleet, req: &RouteRequest<'_>, now: Timestamp, cfg: &PolicyConfig) -> Vec<Scored> {
         let index = self.index.read();
         let mut overlaps = Vec::new();
         index.overlaps(req.keys, &mut overlaps);
@@ -442,17 +384,8 @@ impl Router {
                 0
             };
             let load = w.load();
-            let terms =
-                projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
-            scored.push(Scored {
-                slot,
-                load,
-                terms,
-                cached_tokens,
-                raw_blocks,
-                withheld,
-                load_problem,
-            });
+            let terms = projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
+            scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
         }
         fleet.scratch_overlap = raw;
         scored
@@ -460,28 +393,17 @@ impl Router {
 }
 
 /// The enforce choice of the projected policy and its reason.
-fn projected_choice(
-    scored: &[Scored],
-    load_winner: usize,
-    draw: u64,
-    cfg: &PolicyConfig,
-) -> (usize, Reason) {
+fn projected_choice(scored: &[Scored], load_winner: usize, draw: u64, cfg: &PolicyConfig) -> (usize, Reason) {
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner =
-            crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
-                .expect("non-empty: a load winner exists");
+        let cache_winner = crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
+            .expect("non-empty: a load winner exists");
         let (c, l) = (&scored[cache_winner], &scored[load_winner]);
-        if cache_winner != load_winner
-            && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg)
-        {
+        if cache_winner != load_winner && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg) {
             return (load_winner, Reason::Escape);
         }
         return (cache_winner, Reason::CacheAndLoad);
     }
-    (
-        load_winner,
-        fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback),
-    )
+    (load_winner, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback))
 }
 
 /// Why no worker earned cache credit, when telemetry is to blame: the withheld reason of the worker
@@ -513,26 +435,14 @@ fn cache_aware_choice(
         .iter()
         .map(|s| cache_aware::Candidate {
             in_flight: s.load.waiting_requests + s.load.running_requests,
-            routed: fleet.workers[s.slot.index()]
-                .as_ref()
-                .map_or(0, |w| w.routed),
-            overlap_blocks: if s.withheld.is_none() {
-                s.raw_blocks
-            } else {
-                0
-            },
+            routed: fleet.workers[s.slot.index()].as_ref().map_or(0, |w| w.routed),
+            overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
         })
         .collect();
-    let prefix = req
-        .keys
-        .first()
-        .copied()
-        .filter(|_| cfg.distribution_seeding);
-    let seeded = prefix
-        .and_then(|k| fleet.seeds.get(&k))
-        .and_then(|owner| scored.iter().position(|s| s.slot == *owner));
-    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seeded, draw)
-        .expect("non-empty candidates");
+    let prefix = req.keys.first().copied().filter(|_| cfg.distribution_seeding);
+    let seeded =
+        prefix.and_then(|k| fleet.seeds.get(&k)).and_then(|owner| scored.iter().position(|s| s.slot == *owner));
+    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seeded, draw).expect("non-empty candidates");
     if let Some(k) = prefix.filter(|_| commit) {
         if seeded.is_none() {
             // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
@@ -542,25 +452,13 @@ fn cache_aware_choice(
     }
     match pick {
         cache_aware::Pick::Affinity(i) | cache_aware::Pick::Seeded(i) => (i, Reason::CacheAndLoad),
-        cache_aware::Pick::Balance(i) => (
-            i,
-            fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback),
-        ),
+        cache_aware::Pick::Balance(i) => (i, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback)),
     }
 }
 
-fn score_list(
-    scored: &[Scored],
-    load_winner: usize,
-    id_of: impl Fn(usize) -> WorkerId,
-) -> Vec<ScoreTerms> {
-    let by_score = |a: &usize, b: &usize| {
-        scored[*a]
-            .terms
-            .projected_s
-            .total_cmp(&scored[*b].terms.projected_s)
-            .then(a.cmp(b))
-    };
+fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> WorkerId) -> Vec<ScoreTerms> {
+    let by_score =
+        |a: &usize, b: &usize| scored[*a].terms.projected_s.total_cmp(&scored[*b].terms.projected_s).then(a.cmp(b));
     let mut order: Vec<usize> = (0..scored.len()).collect();
     if order.len() > MAX_SCORES {
         // Only the best few are listed: select them in linear time, then sort just those.

@@ -7,9 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// Microseconds since an epoch the caller chooses (process start in the gateway, zero in the
 /// simulator). Only differences between timestamps of one caller carry meaning.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Timestamp(pub u64);
 
@@ -48,18 +46,12 @@ impl Timestamp {
 
     /// This timestamp moved back by `d`, clamped at the epoch.
     pub fn saturating_sub(self, d: Duration) -> Timestamp {
-        Timestamp(
-            self.0
-                .saturating_sub(d.as_micros().min(u64::MAX as u128) as u64),
-        )
+        Timestamp(self.0.saturating_sub(d.as_micros().min(u64::MAX as u128) as u64))
     }
 
     /// This timestamp moved forward by `d`, saturating.
     pub fn saturating_add(self, d: Duration) -> Timestamp {
-        Timestamp(
-            self.0
-                .saturating_add(d.as_micros().min(u64::MAX as u128) as u64),
-        )
+        Timestamp(self.0.saturating_add(d.as_micros().min(u64::MAX as u128) as u64))
     }
 }
 

@@ -45,11 +45,7 @@ fn simultaneous_identical_requests_from_many_threads_spread() {
     for h in handles {
         *per_worker.entry(h.join().unwrap()).or_default() += 1;
     }
-    assert_eq!(
-        per_worker.len(),
-        THREADS,
-        "every thread got its own idle worker: {per_worker:?}"
-    );
+    assert_eq!(per_worker.len(), THREADS, "every thread got its own idle worker: {per_worker:?}");
 }
 
 #[test]
@@ -59,11 +55,7 @@ fn identical_requests_for_a_cached_prefix_fill_the_owner_then_spill() {
     store(&router, &wid(3), &prefix);
     let mut on_owner = 0;
     for i in 0..8 {
-        let d = decide(
-            &router,
-            &Req::new(&router, i, &hot_prompt(&prefix, i, 16), 100),
-            T0,
-        );
+        let d = decide(&router, &Req::new(&router, i, &hot_prompt(&prefix, i, 16), 100), T0);
         on_owner += usize::from(d.worker == wid(3));
     }
     // Each reservation adds only the 16-token suffix to the owner's queue, so cache keeps winning:
@@ -77,28 +69,12 @@ fn identical_requests_for_a_cached_prefix_fill_the_owner_then_spill() {
 
 #[derive(Debug, Clone)]
 enum Step {
-    Decide {
-        prompt: u8,
-        len: u16,
-        max_tokens: u16,
-    },
-    FirstToken {
-        nth: u8,
-    },
-    Release {
-        nth: u8,
-    },
-    Snapshot {
-        worker: u8,
-        waiting: u8,
-    },
-    Eligible {
-        worker: u8,
-        on: bool,
-    },
-    Advance {
-        ms: u16,
-    },
+    Decide { prompt: u8, len: u16, max_tokens: u16 },
+    FirstToken { nth: u8 },
+    Release { nth: u8 },
+    Snapshot { worker: u8, waiting: u8 },
+    Eligible { worker: u8, on: bool },
+    Advance { ms: u16 },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -190,9 +166,7 @@ fn fresher_telemetry_absorbs_reservations_without_double_counting() {
     let router = fleet(1, PolicyConfig::projected(Mode::Enforce));
     let req = Req::new(&router, 1, &tokens("p", 3000), 100);
     decide(&router, &req, Timestamp::from_millis(10));
-    let status = router
-        .worker_status(&wid(0), Timestamp::from_millis(10))
-        .unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(10)).unwrap();
     assert_eq!((status.waiting_requests, status.waiting_tokens), (1, 3000));
     // The engine's next report (measured after the dispatch) already counts the request.
     let seen = LoadSnapshot {
@@ -202,53 +176,24 @@ fn fresher_telemetry_absorbs_reservations_without_double_counting() {
         ..LoadSnapshot::default()
     };
     router.update_load(&wid(0), seen).unwrap();
-    let status = router
-        .worker_status(&wid(0), Timestamp::from_millis(20))
-        .unwrap();
-    assert_eq!(
-        (status.waiting_requests, status.waiting_tokens),
-        (1, 3000),
-        "counted once, not twice"
-    );
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(20)).unwrap();
+    assert_eq!((status.waiting_requests, status.waiting_tokens), (1, 3000), "counted once, not twice");
     // First token: the report still says waiting, the ledger moves the request to decode.
-    router
-        .first_token(req.id, Timestamp::from_millis(30))
-        .unwrap();
-    let status = router
-        .worker_status(&wid(0), Timestamp::from_millis(30))
-        .unwrap();
-    assert_eq!(
-        (
-            status.waiting_requests,
-            status.running_requests,
-            status.decode_tokens
-        ),
-        (0, 1, 100)
-    );
+    router.first_token(req.id, Timestamp::from_millis(30)).unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(30)).unwrap();
+    assert_eq!((status.waiting_requests, status.running_requests, status.decode_tokens), (0, 1, 100));
     // Finished: gone at once, though the last report still shows it waiting.
     router.release(req.id, Timestamp::from_millis(40)).unwrap();
-    let status = router
-        .worker_status(&wid(0), Timestamp::from_millis(40))
-        .unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(40)).unwrap();
     assert_eq!((status.waiting_requests, status.running_requests), (0, 0));
     // An older report arriving late changes nothing.
     router
         .update_load(
             &wid(0),
-            LoadSnapshot {
-                waiting_requests: 50,
-                observed_at: Timestamp::from_millis(5),
-                ..LoadSnapshot::default()
-            },
+            LoadSnapshot { waiting_requests: 50, observed_at: Timestamp::from_millis(5), ..LoadSnapshot::default() },
         )
         .unwrap();
-    assert_eq!(
-        router
-            .worker_status(&wid(0), Timestamp::from_millis(40))
-            .unwrap()
-            .waiting_requests,
-        0
-    );
+    assert_eq!(router.worker_status(&wid(0), Timestamp::from_millis(40)).unwrap().waiting_requests, 0);
 }
 
 #[test]

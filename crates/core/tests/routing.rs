@@ -10,19 +10,14 @@ use support::*;
 fn incident(policy: PolicyConfig) -> (kvgate_core::Router, Vec<u32>) {
     let router = fleet(51, policy);
     let prefix = make_hot_owner(&router);
-    router
-        .update_load(&wid(50), busy(12, 60_000, 30, 9_000))
-        .unwrap();
+    router.update_load(&wid(50), busy(12, 60_000, 30, 9_000)).unwrap();
     (router, prefix)
 }
 
 /// Makes w0 the incident's owner: 109 waiting, 38 running, holding the hot 8k-token prefix.
 fn make_hot_owner(router: &kvgate_core::Router) -> Vec<u32> {
     let prefix = tokens("hot system prompt", 8192);
-    let owner = LoadSnapshot {
-        kv_usage: 0.62,
-        ..busy(109, 915_600, 38, 11_400)
-    };
+    let owner = LoadSnapshot { kv_usage: 0.62, ..busy(109, 915_600, 38, 11_400) };
     router.update_load(&wid(0), owner).unwrap();
     store(router, &wid(0), &prefix);
     prefix
@@ -34,14 +29,7 @@ fn hot_owner_loses_to_idle_peers_when_its_queue_exceeds_recompute() {
     // The owner's cache is credited, and it still loses: 45.8 s of queued prefill and 5.7 s of decode.
     let probe = Req::new(&router, 1000, &hot_prompt(&prefix, 1000, 200), 256);
     let owner = router.worker_status(&wid(0), T0).unwrap();
-    assert_eq!(
-        (
-            owner.waiting_requests,
-            owner.running_requests,
-            owner.blocks_held
-        ),
-        (109, 38, 512)
-    );
+    assert_eq!((owner.waiting_requests, owner.running_requests, owner.blocks_held), (109, 38, 512));
     let d = decide(&router, &probe, T0);
     assert_eq!(d.cached_tokens, 0);
     router.release(probe.id, T0).unwrap();
@@ -52,37 +40,20 @@ fn hot_owner_loses_to_idle_peers_when_its_queue_exceeds_recompute() {
         assert_ne!(d.worker, wid(0), "request {i} went to the hot owner: {d:?}");
         assert_ne!(d.worker, wid(50), "request {i} went to the busy worker");
         assert_eq!(d.reason, Reason::CacheAndLoad);
-        assert!(
-            d.scores.len() <= 17,
-            "51 workers list the best 16 plus the load-only winner"
-        );
-        assert!(
-            d.scores.iter().all(|s| s.worker != wid(0)),
-            "the owner is nowhere near the best 16"
-        );
+        assert!(d.scores.len() <= 17, "51 workers list the best 16 plus the load-only winner");
+        assert!(d.scores.iter().all(|s| s.worker != wid(0)), "the owner is nowhere near the best 16");
         chosen.insert(d.worker.clone());
     }
-    assert_eq!(
-        chosen.len(),
-        49,
-        "49 simultaneous hot requests spread over the 49 idle peers"
-    );
+    assert_eq!(chosen.len(), 49, "49 simultaneous hot requests spread over the 49 idle peers");
 }
 
 #[test]
 fn cache_aware_with_cap_one_seeding_piles_the_burst_onto_the_owner() {
     // Without seeding, SMG's balance gate moves the burst off the owner.
     let (plain, prefix) = incident(PolicyConfig::new(PolicyName::CacheAware));
-    let d = decide(
-        &plain,
-        &Req::new(&plain, 0, &hot_prompt(&prefix, 0, 200), 256),
-        T0,
-    );
+    let d = decide(&plain, &Req::new(&plain, 0, &hot_prompt(&prefix, 0, 200), 256), T0);
     assert_ne!(d.worker, wid(0));
-    let policy = PolicyConfig {
-        distribution_seeding: true,
-        ..PolicyConfig::new(PolicyName::CacheAware)
-    };
+    let policy = PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
     let (router, prefix) = incident(policy);
     let mut on_owner = 0;
     for i in 0..49 {
@@ -91,10 +62,7 @@ fn cache_aware_with_cap_one_seeding_piles_the_burst_onto_the_owner() {
             on_owner += 1;
         }
     }
-    assert_eq!(
-        on_owner, 49,
-        "the hot prefix is pinned to its one owner, whatever its queue"
-    );
+    assert_eq!(on_owner, 49, "the hot prefix is pinned to its one owner, whatever its queue");
 }
 
 #[test]
@@ -113,13 +81,7 @@ fn cache_affinity_is_kept_when_saved_prefill_exceeds_the_load_penalty() {
 
     // With 20,000 queued tokens (1 s) the same saving no longer pays for the queue.
     router
-        .update_load(
-            &wid(2),
-            LoadSnapshot {
-                observed_at: Timestamp::from_millis(1),
-                ..busy(1, 20_000, 0, 0)
-            },
-        )
+        .update_load(&wid(2), LoadSnapshot { observed_at: Timestamp::from_millis(1), ..busy(1, 20_000, 0, 0) })
         .unwrap();
     let req = Req::new(&router, 2, &hot_prompt(&prefix, 2, 100), 64);
     let d = decide(&router, &req, Timestamp::from_millis(1));
@@ -154,27 +116,17 @@ fn assert_fallback(router: &kvgate_core::Router, prefix: &[u32], now: Timestamp,
     let req = Req::new(router, 9, &hot_prompt(prefix, 9, 50), 32);
     let d = router.decide(&req.route(), now, &mut rng()).unwrap();
     assert_eq!(d.reason.as_str(), reason, "{d:?}");
-    assert_eq!(
-        d.worker, d.load_only_worker,
-        "fallback is the load-only decision"
-    );
+    assert_eq!(d.worker, d.load_only_worker, "fallback is the load-only decision");
     assert_ne!(d.worker, wid(1));
     assert_eq!(d.cached_tokens, 0);
     let owner = d.scores.iter().find(|s| s.worker == wid(1)).unwrap();
-    assert_eq!(
-        owner.cached_tokens, 0,
-        "no cache credit for untrusted telemetry"
-    );
+    assert_eq!(owner.cached_tokens, 0, "no cache credit for untrusted telemetry");
 }
 
 #[test]
 fn owner_wins_on_cache_when_its_telemetry_is_trusted() {
     let (router, prefix) = owner_fleet();
-    let d = decide(
-        &router,
-        &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32),
-        T0,
-    );
+    let d = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32), T0);
     assert_eq!(d.worker, wid(1));
     assert_eq!(d.reason, Reason::CacheAndLoad);
 }
@@ -184,9 +136,7 @@ fn missing_load_telemetry_falls_back_to_load_only() {
     let router = fleet(3, PolicyConfig::projected(Mode::Enforce));
     let prefix = tokens("shared", 4096);
     router.remove_worker(&wid(1)).unwrap();
-    router
-        .add_worker(kvgate_core::WorkerConfig::new(wid(1)), KvState::Synced)
-        .unwrap();
+    router.add_worker(kvgate_core::WorkerConfig::new(wid(1)), KvState::Synced).unwrap();
     store(&router, &wid(1), &prefix);
     // A router-side reservation makes w1 the load-only loser.
     let other = Req::new(&router, 100, &tokens("other", 3000), 32);
@@ -198,70 +148,35 @@ fn missing_load_telemetry_falls_back_to_load_only() {
 fn stale_load_telemetry_falls_back_to_load_only() {
     let (router, prefix) = owner_fleet();
     for i in [0, 2] {
-        router
-            .update_load(
-                &wid(i),
-                LoadSnapshot {
-                    observed_at: Timestamp::from_millis(9_000),
-                    ..idle()
-                },
-            )
-            .unwrap();
+        router.update_load(&wid(i), LoadSnapshot { observed_at: Timestamp::from_millis(9_000), ..idle() }).unwrap();
     }
-    assert_fallback(
-        &router,
-        &prefix,
-        Timestamp::from_millis(10_000),
-        "fallback:stale",
-    );
+    assert_fallback(&router, &prefix, Timestamp::from_millis(10_000), "fallback:stale");
 }
 
 #[test]
 fn incomplete_kv_state_falls_back_to_load_only() {
     let (router, prefix) = owner_fleet();
-    router
-        .set_kv_state(
-            &wid(1),
-            KvState::Incomplete("sequence gap 7..9 not replayed".into()),
-        )
-        .unwrap();
+    router.set_kv_state(&wid(1), KvState::Incomplete("sequence gap 7..9 not replayed".into())).unwrap();
     assert_fallback(&router, &prefix, T0, "fallback:incomplete");
 }
 
 #[test]
 fn invalid_kv_state_falls_back_to_load_only() {
     let (router, prefix) = owner_fleet();
-    router
-        .set_kv_state(&wid(1), KvState::Invalid("undecodable payload".into()))
-        .unwrap();
+    router.set_kv_state(&wid(1), KvState::Invalid("undecodable payload".into())).unwrap();
     assert_fallback(&router, &prefix, T0, "fallback:invalid");
 }
 
 #[test]
 fn kv_events_going_quiet_under_traffic_make_the_worker_stale() {
     let (router, prefix) = owner_fleet();
-    let policy = PolicyConfig {
-        kv_stale_after_ms: 1_000,
-        stale_after_ms: 3_600_000,
-        ..router.policy()
-    };
+    let policy = PolicyConfig { kv_stale_after_ms: 1_000, stale_after_ms: 3_600_000, ..router.policy() };
     router.set_policy(policy).unwrap();
-    let d = decide(
-        &router,
-        &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32),
-        Timestamp::from_millis(10),
-    );
+    let d = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32), Timestamp::from_millis(10));
     assert_eq!(d.worker, wid(1));
-    router
-        .release(d.request, Timestamp::from_millis(20))
-        .unwrap();
+    router.release(d.request, Timestamp::from_millis(20)).unwrap();
     // Traffic flowed at t = 10 ms and no event arrived for 5 s.
-    assert_fallback(
-        &router,
-        &prefix,
-        Timestamp::from_millis(5_000),
-        "fallback:stale",
-    );
+    assert_fallback(&router, &prefix, Timestamp::from_millis(5_000), "fallback:stale");
 }
 
 #[test]
@@ -269,8 +184,7 @@ fn off_mode_is_exactly_least_load() {
     let (a, prefix) = owner_fleet();
     a.set_policy(PolicyConfig::projected(Mode::Off)).unwrap();
     let (b, _) = owner_fleet();
-    b.set_policy(PolicyConfig::new(PolicyName::LeastLoad))
-        .unwrap();
+    b.set_policy(PolicyConfig::new(PolicyName::LeastLoad)).unwrap();
     for i in 0..20 {
         let prompt = hot_prompt(&prefix, i, 10 + i as usize);
         let da = decide(&a, &Req::new(&a, i, &prompt, 32), T0);
@@ -286,24 +200,15 @@ fn off_mode_is_exactly_least_load() {
 #[test]
 fn shadow_records_the_enforce_choice_without_changing_dispatch() {
     let (router, prefix) = owner_fleet();
-    router
-        .set_policy(PolicyConfig::projected(Mode::Shadow))
-        .unwrap();
-    let d = decide(
-        &router,
-        &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32),
-        T0,
-    );
+    router.set_policy(PolicyConfig::projected(Mode::Shadow)).unwrap();
+    let d = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 50), 32), T0);
     assert_eq!(d.reason, Reason::Shadow);
     assert_eq!(d.worker, d.load_only_worker);
     assert_eq!(d.enforce_worker, Some(wid(1)));
     assert_eq!(d.enforce_reason, Some(Reason::CacheAndLoad));
     assert!(d.shadow_disagrees());
     let status = router.worker_status(&d.worker, T0).unwrap();
-    assert_eq!(
-        status.in_flight, 1,
-        "the reservation follows the dispatched worker"
-    );
+    assert_eq!(status.in_flight, 1, "the reservation follows the dispatched worker");
     assert_eq!(router.worker_status(&wid(1), T0).unwrap().in_flight, 0);
 }
 
@@ -312,52 +217,25 @@ fn enforce_escapes_to_the_load_only_winner_when_configured() {
     let (router, prefix) = owner_fleet();
     let req = |id| Req::new(&router, id, &hot_prompt(&prefix, id, 50), 32);
     // The owner's 1,000 queued tokens (0.05 s) are within any escape bound of 0.05 s or more.
-    router
-        .set_policy(PolicyConfig {
-            escape_seconds: 0.06,
-            ..PolicyConfig::projected(Mode::Enforce)
-        })
-        .unwrap();
+    router.set_policy(PolicyConfig { escape_seconds: 0.06, ..PolicyConfig::projected(Mode::Enforce) }).unwrap();
     let d = decide(&router, &req(1), T0);
     assert_eq!((d.worker.clone(), d.reason), (wid(1), Reason::CacheAndLoad));
     router.release(d.request, T0).unwrap();
-    router
-        .set_policy(PolicyConfig {
-            escape_seconds: 0.01,
-            ..PolicyConfig::projected(Mode::Enforce)
-        })
-        .unwrap();
+    router.set_policy(PolicyConfig { escape_seconds: 0.01, ..PolicyConfig::projected(Mode::Enforce) }).unwrap();
     let d = decide(&router, &req(2), T0);
     assert_eq!(d.reason, Reason::Escape);
     assert_eq!(d.worker, d.load_only_worker);
     router.release(d.request, T0).unwrap();
-    router
-        .set_policy(PolicyConfig {
-            escape_waiting: 0,
-            ..PolicyConfig::projected(Mode::Enforce)
-        })
-        .unwrap();
-    assert_eq!(
-        decide(&router, &req(3), T0).reason,
-        Reason::Escape,
-        "one waiting request beyond a bound of 0"
-    );
+    router.set_policy(PolicyConfig { escape_waiting: 0, ..PolicyConfig::projected(Mode::Enforce) }).unwrap();
+    assert_eq!(decide(&router, &req(3), T0).reason, Reason::Escape, "one waiting request beyond a bound of 0");
 }
 
 #[test]
 fn distribution_seeding_is_rejected_for_projected() {
     let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
-    let err = router
-        .set_policy(PolicyConfig {
-            distribution_seeding: true,
-            ..router.policy()
-        })
-        .unwrap_err();
+    let err = router.set_policy(PolicyConfig { distribution_seeding: true, ..router.policy() }).unwrap_err();
     assert!(err.to_string().contains("distribution_seeding"), "{err}");
-    assert!(
-        !router.policy().distribution_seeding,
-        "the old policy stays"
-    );
+    assert!(!router.policy().distribution_seeding, "the old policy stays");
 }
 
 #[test]
@@ -366,18 +244,10 @@ fn reservations_move_to_decode_at_first_token_and_vanish_on_release() {
     let req = Req::new(&router, 1, &tokens("p", 1000), 100);
     decide(&router, &req, T0);
     let s = router.worker_status(&wid(0), T0).unwrap();
-    assert_eq!(
-        (s.waiting_requests, s.waiting_tokens, s.running_requests),
-        (1, 1000, 0)
-    );
-    router
-        .first_token(req.id, Timestamp::from_millis(5))
-        .unwrap();
+    assert_eq!((s.waiting_requests, s.waiting_tokens, s.running_requests), (1, 1000, 0));
+    router.first_token(req.id, Timestamp::from_millis(5)).unwrap();
     let s = router.worker_status(&wid(0), T0).unwrap();
-    assert_eq!(
-        (s.waiting_tokens, s.running_requests, s.decode_tokens),
-        (0, 1, 100)
-    );
+    assert_eq!((s.waiting_tokens, s.running_requests, s.decode_tokens), (0, 1, 100));
     router.release(req.id, Timestamp::from_millis(9)).unwrap();
     let s = router.worker_status(&wid(0), T0).unwrap();
     assert!(s.reserved.is_zero(), "{s:?}");
@@ -391,17 +261,11 @@ fn ineligible_workers_are_never_chosen_and_an_empty_fleet_says_so() {
     router.set_eligible(&wid(0), false).unwrap();
     router.set_eligible(&wid(2), false).unwrap();
     for i in 0..5 {
-        assert_eq!(
-            decide(&router, &Req::new(&router, i, &tokens("x", 100), 1), T0).worker,
-            wid(1)
-        );
+        assert_eq!(decide(&router, &Req::new(&router, i, &tokens("x", 100), 1), T0).worker, wid(1));
     }
     router.set_eligible(&wid(1), false).unwrap();
     let req = Req::new(&router, 99, &tokens("x", 100), 1);
-    assert_eq!(
-        router.decide(&req.route(), T0, &mut rng()),
-        Err(kvgate_core::DecideError::NoEligibleWorker)
-    );
+    assert_eq!(router.decide(&req.route(), T0, &mut rng()), Err(kvgate_core::DecideError::NoEligibleWorker));
 }
 
 #[test]
@@ -410,16 +274,11 @@ fn observed_slow_prefill_raises_a_worker_projected_wait() {
     for i in 0..2 {
         router.update_load(&wid(i), busy(1, 10_000, 0, 0)).unwrap();
     }
-    router
-        .observe_rate(&wid(0), kvgate_core::RateKind::Prefill, 5_000.0, 1.0)
-        .unwrap();
+    router.observe_rate(&wid(0), kvgate_core::RateKind::Prefill, 5_000.0, 1.0).unwrap();
     let d = decide(&router, &Req::new(&router, 1, &tokens("p", 100), 1), T0);
     assert_eq!(d.worker, wid(1));
     let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
-    assert!(
-        (w0.wait_s - 2.0).abs() < 1e-9,
-        "10,000 tokens at the observed 5,000 tok/s: {w0:?}"
-    );
+    assert!((w0.wait_s - 2.0).abs() < 1e-9, "10,000 tokens at the observed 5,000 tok/s: {w0:?}");
 }
 
 #[test]
@@ -436,21 +295,11 @@ fn removing_a_worker_drops_its_reservations() {
 fn hot_owner_is_credited_for_its_cache_and_still_loses() {
     let router = fleet(3, PolicyConfig::projected(Mode::Enforce));
     let prefix = make_hot_owner(&router);
-    let d = decide(
-        &router,
-        &Req::new(&router, 1, &hot_prompt(&prefix, 1, 200), 256),
-        T0,
-    );
+    let d = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 200), 256), T0);
     let owner = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
     assert_eq!(owner.cached_tokens, 8192);
-    assert!(
-        (owner.wait_s - 45.78).abs() < 1e-9 && (owner.decode_s - 5.7).abs() < 1e-9,
-        "{owner:?}"
-    );
-    assert!(
-        (owner.prefill_s - 0.01).abs() < 1e-9,
-        "only the 200-token suffix is prefilled"
-    );
+    assert!((owner.wait_s - 45.78).abs() < 1e-9 && (owner.decode_s - 5.7).abs() < 1e-9, "{owner:?}");
+    assert!((owner.prefill_s - 0.01).abs() < 1e-9, "only the 200-token suffix is prefilled");
     let winner = d.scores.iter().find(|s| s.worker == d.worker).unwrap();
     assert!((winner.prefill_s - 8392.0 / 20_000.0).abs() < 1e-9);
     assert!(winner.projected_s < 1.0 && owner.projected_s > 51.0);

@@ -29,13 +29,7 @@ pub(crate) struct PagedCache {
 
 impl PagedCache {
     pub(crate) fn new(capacity_blocks: u64) -> Self {
-        PagedCache {
-            capacity_blocks,
-            blocks: FxHashMap::default(),
-            lru: BTreeSet::new(),
-            private_blocks: 0,
-            tick: 0,
-        }
+        PagedCache { capacity_blocks, blocks: FxHashMap::default(), lru: BTreeSet::new(), private_blocks: 0, tick: 0 }
     }
 
     /// Blocks in use by running requests (referenced cached blocks plus private ones).
@@ -53,16 +47,12 @@ impl PagedCache {
     }
 
     fn free_blocks(&self) -> u64 {
-        self.capacity_blocks
-            .saturating_sub(self.blocks.len() as u64 + self.private_blocks)
+        self.capacity_blocks.saturating_sub(self.blocks.len() as u64 + self.private_blocks)
     }
 
     /// How many leading hashes are cached.
     pub(crate) fn match_prefix(&self, hashes: &[EngineHash]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.blocks.contains_key(h))
-            .count()
+        hashes.iter().take_while(|h| self.blocks.contains_key(h)).count()
     }
 
     /// Whether `n` more private blocks fit once every unreferenced block is evicted, given that
@@ -73,10 +63,7 @@ impl PagedCache {
 
     /// How many of these cached blocks are unreferenced (and so would be pinned by acquiring them).
     pub(crate) fn unreferenced_among(&self, hashes: &[EngineHash]) -> u64 {
-        hashes
-            .iter()
-            .filter(|h| self.blocks.get(h).is_some_and(|b| b.refs == 0))
-            .count() as u64
+        hashes.iter().filter(|h| self.blocks.get(h).is_some_and(|b| b.refs == 0)).count() as u64
     }
 
     /// References a cached block.
@@ -107,10 +94,7 @@ impl PagedCache {
             let Some((tick, hash)) = self.lru.pop_first() else {
                 return false;
             };
-            debug_assert!(self
-                .blocks
-                .get(&hash)
-                .is_some_and(|b| b.released_at == tick));
+            debug_assert!(self.blocks.get(&hash).is_some_and(|b| b.released_at == tick));
             self.blocks.remove(&hash);
             events.push(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![hash],
@@ -137,10 +121,7 @@ impl PagedCache {
                 false
             }
             std::collections::hash_map::Entry::Vacant(slot) => {
-                slot.insert(Cached {
-                    refs: 1,
-                    released_at: 0,
-                });
+                slot.insert(Cached { refs: 1, released_at: 0 });
                 true
             }
         }
@@ -173,9 +154,7 @@ mod tests {
         assert!(!c.can_allocate(3, 0));
         assert!(c.allocate_private(1, &mut ev));
         assert_eq!(ev.len(), 1);
-        assert!(
-            matches!(&ev[0], KvEvent::BlockRemoved(r) if r.block_hashes == vec![EngineHash(2)])
-        );
+        assert!(matches!(&ev[0], KvEvent::BlockRemoved(r) if r.block_hashes == vec![EngineHash(2)]));
         assert_eq!(c.match_prefix(&[EngineHash(1), EngineHash(2)]), 1);
     }
 

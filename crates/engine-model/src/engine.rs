@@ -156,8 +156,7 @@ impl Engine {
         let bs = self.profile.block_size as usize;
         let mut hashes = Vec::with_capacity(req.tokens.len() / bs);
         let mut keys = Vec::with_capacity(req.tokens.len() / bs);
-        self.hasher
-            .extend_keys(BlockKey(self.salt), &req.tokens, bs, &mut keys);
+        self.hasher.extend_keys(BlockKey(self.salt), &req.tokens, bs, &mut keys);
         hashes.extend(keys.into_iter().map(|k| EngineHash(k.0)));
         let prompt_tokens = req.tokens.len() as u64;
         let matched = self.cache.match_prefix(&hashes) as u64 * bs as u64;
@@ -262,8 +261,7 @@ impl Engine {
             // Full blocks enter the prefix cache as soon as their tokens are computed, chunk by chunk,
             // as vLLM and SGLang publish them.
             let bs = self.profile.block_size as u64;
-            let computed_blocks =
-                (((r.cached_tokens + r.prefilled) / bs) as usize).min(r.hashes.len());
+            let computed_blocks = (((r.cached_tokens + r.prefilled) / bs) as usize).min(r.hashes.len());
             let start = r.published_blocks.max(r.matched_blocks);
             if computed_blocks > start {
                 let hashes = std::mem::take(&mut r.hashes);
@@ -336,10 +334,7 @@ impl Engine {
         if self.pending_events.is_empty() {
             return None;
         }
-        let batch = EventBatch {
-            seq: self.next_seq,
-            events: std::mem::take(&mut self.pending_events),
-        };
+        let batch = EventBatch { seq: self.next_seq, events: std::mem::take(&mut self.pending_events) };
         self.next_seq += 1;
         self.history.push_back(batch.clone());
         if self.history.len() > self.replay_buffer {
@@ -358,22 +353,15 @@ impl Engine {
 
     /// The buffered batches with `seq >= from`, as the replay socket returns them.
     pub fn replay(&self, from: u64) -> Vec<EventBatch> {
-        self.history
-            .iter()
-            .filter(|b| b.seq >= from)
-            .cloned()
-            .collect()
+        self.history.iter().filter(|b| b.seq >= from).cloned().collect()
     }
 
     /// Load telemetry as the engine would report it at `now`.
     pub fn load(&self, now: Timestamp) -> LoadSnapshot {
         let queued: u64 = self.waiting.iter().map(|r| r.uncached_at_arrival).sum();
         let prefilling: u64 = self.running.iter().map(Active::prefill_left).sum();
-        let decode: u64 = self
-            .running
-            .iter()
-            .map(|r| (r.output_tokens - r.generated.min(r.output_tokens)) as u64)
-            .sum();
+        let decode: u64 =
+            self.running.iter().map(|r| (r.output_tokens - r.generated.min(r.output_tokens)) as u64).sum();
         LoadSnapshot {
             waiting_requests: self.waiting.len() as u64,
             waiting_tokens: queued + prefilling,
@@ -388,8 +376,7 @@ impl Engine {
     pub fn cached_prefix_tokens(&mut self, tokens: &[u32]) -> u64 {
         let bs = self.profile.block_size as usize;
         let mut keys = Vec::new();
-        self.hasher
-            .extend_keys(BlockKey(self.salt), tokens, bs, &mut keys);
+        self.hasher.extend_keys(BlockKey(self.salt), tokens, bs, &mut keys);
         let hashes: Vec<EngineHash> = keys.into_iter().map(|k| EngineHash(k.0)).collect();
         (self.cache.match_prefix(&hashes) * bs) as u64
     }
@@ -430,12 +417,7 @@ impl Engine {
     /// Kills the process and starts a new one: every request fails, the cache is empty, sequence
     /// numbers restart at 0 and block hashes get a new seed. Returns the failed requests.
     pub fn restart(&mut self, new_salt: u64) -> Vec<RequestId> {
-        let failed = self
-            .waiting
-            .drain(..)
-            .chain(self.running.drain(..))
-            .map(|r| r.id)
-            .collect();
+        let failed = self.waiting.drain(..).chain(self.running.drain(..)).map(|r| r.id).collect();
         self.cache.clear();
         self.plan = None;
         self.pending_events.clear();

@@ -84,12 +84,7 @@ impl EngineProfile {
     }
 
     /// Duration of one step in microseconds.
-    pub fn step_micros(
-        &self,
-        decode_seqs: u64,
-        decode_context_tokens: u64,
-        prefill_tokens: u64,
-    ) -> u64 {
+    pub fn step_micros(&self, decode_seqs: u64, decode_context_tokens: u64, prefill_tokens: u64) -> u64 {
         let ms = self.step_base_ms
             + self.per_seq_ms * decode_seqs as f64
             + self.per_kilo_context_ms * decode_context_tokens as f64 / 1000.0

@@ -20,11 +20,7 @@ fn small_profile(kv_tokens: u64) -> EngineProfile {
 }
 
 fn req(id: u64, tokens: Vec<u32>, out: u32) -> EngineRequest {
-    EngineRequest {
-        id: RequestId(id),
-        tokens,
-        output_tokens: out,
-    }
+    EngineRequest { id: RequestId(id), tokens, output_tokens: out }
 }
 
 /// Runs steps until the engine is idle; returns (elapsed micros, outcomes).
@@ -39,10 +35,7 @@ fn run(engine: &mut Engine) -> (u64, Vec<StepOutcome>) {
 }
 
 fn events(outs: &[StepOutcome]) -> Vec<KvEvent> {
-    outs.iter()
-        .filter_map(|o| o.batch.as_ref())
-        .flat_map(|b| b.events.clone())
-        .collect()
+    outs.iter().filter_map(|o| o.batch.as_ref()).flat_map(|b| b.events.clone()).collect()
 }
 
 #[test]
@@ -65,11 +58,7 @@ fn prefill_is_chunked_and_the_first_token_follows_the_last_chunk() {
             assert_eq!(out.finished[0].output_tokens, 3);
         }
     }
-    assert_eq!(
-        first_token_step,
-        Some(2),
-        "2,000 tokens take two 1,024-token chunks"
-    );
+    assert_eq!(first_token_step, Some(2), "2,000 tokens take two 1,024-token chunks");
     assert_eq!(steps, 4, "two prefill steps, then two decode steps");
 }
 
@@ -83,11 +72,7 @@ fn a_shared_prefix_is_reused_and_published_once() {
     e.submit(req(2, with_suffix(2), 1));
     let (_, outs2) = run(&mut e);
     let f1 = outs.iter().flat_map(|o| o.finished.clone()).next().unwrap();
-    let f2 = outs2
-        .iter()
-        .flat_map(|o| o.finished.clone())
-        .next()
-        .unwrap();
+    let f2 = outs2.iter().flat_map(|o| o.finished.clone()).next().unwrap();
     assert_eq!(f1.cached_tokens, 0);
     assert_eq!(f2.cached_tokens, 640);
     let stored2: usize = events(&outs2)
@@ -97,10 +82,7 @@ fn a_shared_prefix_is_reused_and_published_once() {
             _ => 0,
         })
         .sum();
-    assert_eq!(
-        stored2, 6,
-        "only the second request's own full blocks (740 - 640 = 100 tokens, 6 blocks)"
-    );
+    assert_eq!(stored2, 6, "only the second request's own full blocks (740 - 640 = 100 tokens, 6 blocks)");
 }
 
 #[test]
@@ -110,22 +92,12 @@ fn kv_capacity_limits_admission_and_eviction_emits_removals() {
     e.submit(req(1, synthetic_tokens(1, 320), 1));
     e.submit(req(2, synthetic_tokens(2, 320), 1));
     e.begin_step().unwrap();
-    assert_eq!(
-        e.running_len(),
-        1,
-        "the second request does not fit next to the first"
-    );
+    assert_eq!(e.running_len(), 1, "the second request does not fit next to the first");
     assert_eq!(e.waiting_len(), 1);
     e.end_step();
     let (_, outs) = run(&mut e);
-    let removed = events(&outs)
-        .iter()
-        .filter(|ev| matches!(ev, KvEvent::BlockRemoved(_)))
-        .count();
-    assert!(
-        removed > 0,
-        "the first request's cached blocks are evicted to make room"
-    );
+    let removed = events(&outs).iter().filter(|ev| matches!(ev, KvEvent::BlockRemoved(_))).count();
+    assert!(removed > 0, "the first request's cached blocks are evicted to make room");
 }
 
 #[test]
@@ -136,11 +108,7 @@ fn router_index_fed_with_the_engine_events_matches_the_engine_cache() {
     let prefixes: Vec<Vec<u32>> = (0..5).map(|p| synthetic_tokens(100 + p, 480)).collect();
     for i in 0..40u64 {
         let p = &prefixes[(i * 7 % 5) as usize];
-        e.submit(req(
-            i,
-            [p.clone(), synthetic_tokens(1000 + i, 50)].concat(),
-            4,
-        ));
+        e.submit(req(i, [p.clone(), synthetic_tokens(1000 + i, 50)].concat(), 4));
         if i % 3 == 0 {
             let (_, outs) = run(&mut e);
             for ev in events(&outs) {
@@ -183,10 +151,7 @@ fn restart_fails_in_flight_work_and_restarts_sequence_numbers() {
     assert_eq!(failed, vec![RequestId(2), RequestId(1)]);
     assert_eq!(e.cached_blocks(), 0);
     assert_eq!(e.flush_idle().map(|b| b.seq), Some(0));
-    assert!(
-        e.replay(0).len() == 1,
-        "history restarts with the new process"
-    );
+    assert!(e.replay(0).len() == 1, "history restarts with the new process");
 }
 
 #[test]

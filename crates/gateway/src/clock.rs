@@ -15,9 +15,7 @@ impl Clock {
     /// A clock whose epoch is now.
     #[allow(clippy::disallowed_methods)] // the edge of the system: the core never reads the clock
     pub fn start() -> Self {
-        Clock {
-            epoch: Instant::now(),
-        }
+        Clock { epoch: Instant::now() }
     }
 
     /// The current time.
@@ -41,8 +39,6 @@ impl Clock {
 /// Seed material for the gateway's tie-breaking RNG: ties should break differently in each replica.
 #[allow(clippy::disallowed_methods)] // see above
 pub fn entropy() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     nanos ^ (u64::from(std::process::id()) << 32)
 }

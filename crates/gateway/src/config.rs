@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use kvgate_core::policy::Knob;
 use kvgate_core::{
-    Mode, PolicyConfig, PolicyName, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS,
-    PREFILL_TOKENS_PER_S,
+    Mode, PolicyConfig, PolicyName, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S,
 };
 use serde::{Deserialize, Serialize};
 
@@ -92,34 +91,21 @@ impl WorkerSpec {
         let url = reqwest::Url::parse(&self.url)
             .map_err(|e| GatewayError::Config(format!("worker url {:?}: {e}", self.url)))?;
         if url.scheme() != "http" && url.scheme() != "https" {
-            return Err(GatewayError::Config(format!(
-                "worker url {:?}: scheme must be http or https",
-                self.url
-            )));
+            return Err(GatewayError::Config(format!("worker url {:?}: scheme must be http or https", self.url)));
         }
         if url.host_str().is_none() {
-            return Err(GatewayError::Config(format!(
-                "worker url {:?}: no host",
-                self.url
-            )));
+            return Err(GatewayError::Config(format!("worker url {:?}: no host", self.url)));
         }
         if self.id().trim().is_empty() {
-            return Err(GatewayError::Config(format!(
-                "worker url {:?}: empty id",
-                self.url
-            )));
+            return Err(GatewayError::Config(format!("worker url {:?}: empty id", self.url)));
         }
         for (knob, v) in [
             (PREFILL_TOKENS_PER_S, self.prefill_tokens_per_s),
             (DECODE_TOKENS_PER_S, self.decode_tokens_per_s),
-            (
-                KV_CAPACITY_TOKENS,
-                self.kv_capacity_tokens.map(|v| v as f64),
-            ),
+            (KV_CAPACITY_TOKENS, self.kv_capacity_tokens.map(|v| v as f64)),
         ] {
             if let Some(v) = v {
-                knob.check(v)
-                    .map_err(|e| GatewayError::Config(format!("worker {}: {e}", self.id())))?;
+                knob.check(v).map_err(|e| GatewayError::Config(format!("worker {}: {e}", self.id())))?;
             }
         }
         Ok(())
@@ -268,11 +254,16 @@ pub const ADMISSION_WAIT_S: Knob = Knob {
     min: 0.0,
     max: 3600.0,
     default: 30.0,
-    meaning:
-        "429 when the chosen worker's projected queue (wait + decode) exceeds this; 0 disables",
+    meaning: "429 when the chosen worker's projected queue (wait + decode) exceeds this; 0 disables",
 };
 /// See [`GatewayConfig::queue_timeout`].
-pub const QUEUE_TIMEOUT_MS: Knob = Knob { name: "queue_timeout_ms", min: 0.0, max: 600_000.0, default: 0.0, meaning: "how long a request may wait for an eligible worker or for admission before 503/429; 0 answers at once" };
+pub const QUEUE_TIMEOUT_MS: Knob = Knob {
+    name: "queue_timeout_ms",
+    min: 0.0,
+    max: 600_000.0,
+    default: 0.0,
+    meaning: "how long a request may wait for an eligible worker or for admission before 503/429; 0 answers at once",
+};
 /// See [`GatewayConfig::max_queued`].
 pub const MAX_QUEUED: Knob = Knob {
     name: "max_queued",
@@ -403,21 +394,15 @@ pub struct GatewayConfig {
 
 impl Default for GatewayConfig {
     fn default() -> Self {
-        GatewayConfig::build(FileConfig::default(), Overrides::default())
-            .expect("defaults are valid")
+        GatewayConfig::build(FileConfig::default(), Overrides::default()).expect("defaults are valid")
     }
 }
 
 fn check(knob: Knob, v: f64) -> Result<f64, GatewayError> {
-    knob.check(v)
-        .map_err(|e| GatewayError::Config(e.to_string()))
+    knob.check(v).map_err(|e| GatewayError::Config(e.to_string()))
 }
 
-fn pick<T: Copy + Into<f64>>(
-    knob: Knob,
-    over: Option<T>,
-    file: Option<T>,
-) -> Result<f64, GatewayError> {
+fn pick<T: Copy + Into<f64>>(knob: Knob, over: Option<T>, file: Option<T>) -> Result<f64, GatewayError> {
     check(knob, over.or(file).map_or(knob.default, Into::into))
 }
 
@@ -427,11 +412,9 @@ impl GatewayConfig {
         let file = match path {
             None => FileConfig::default(),
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| {
-                    GatewayError::Config(format!("cannot read {}: {e}", p.display()))
-                })?;
-                toml::from_str(&text)
-                    .map_err(|e| GatewayError::Config(format!("{}: {e}", p.display())))?
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| GatewayError::Config(format!("cannot read {}: {e}", p.display())))?;
+                toml::from_str(&text).map_err(|e| GatewayError::Config(format!("{}: {e}", p.display())))?
             }
         };
         Self::build(file, overrides)
@@ -439,48 +422,30 @@ impl GatewayConfig {
 
     /// Parses TOML text (for tests and embedding) with no overrides.
     pub fn from_toml(text: &str) -> Result<Self, GatewayError> {
-        let file: FileConfig =
-            toml::from_str(text).map_err(|e| GatewayError::Config(e.to_string()))?;
+        let file: FileConfig = toml::from_str(text).map_err(|e| GatewayError::Config(e.to_string()))?;
         Self::build(file, Overrides::default())
     }
 
     fn build(f: FileConfig, o: Overrides) -> Result<Self, GatewayError> {
         let p = &f.policy;
-        let name: PolicyName = o
-            .policy
-            .as_deref()
-            .or(p.name.as_deref())
-            .unwrap_or("projected")
-            .parse()
-            .map_err(cfg_err)?;
+        let name: PolicyName =
+            o.policy.as_deref().or(p.name.as_deref()).unwrap_or("projected").parse().map_err(cfg_err)?;
         let mut policy = PolicyConfig::new(name);
         if let Some(mode) = o.mode.as_deref().or(p.mode.as_deref()) {
             policy.mode = mode.parse::<Mode>().map_err(cfg_err)?;
         }
-        policy.escape_seconds = o
-            .escape_seconds
-            .or(p.escape_seconds)
-            .unwrap_or(policy.escape_seconds);
-        policy.escape_waiting = o
-            .escape_waiting
-            .or(p.escape_waiting)
-            .unwrap_or(policy.escape_waiting);
+        policy.escape_seconds = o.escape_seconds.or(p.escape_seconds).unwrap_or(policy.escape_seconds);
+        policy.escape_waiting = o.escape_waiting.or(p.escape_waiting).unwrap_or(policy.escape_waiting);
         policy.stale_after_ms = p.stale_after_ms.unwrap_or(policy.stale_after_ms);
         policy.kv_stale_after_ms = p.kv_stale_after_ms.unwrap_or(policy.kv_stale_after_ms);
-        policy.kv_barrier_threshold = p
-            .kv_barrier_threshold
-            .unwrap_or(policy.kv_barrier_threshold);
+        policy.kv_barrier_threshold = p.kv_barrier_threshold.unwrap_or(policy.kv_barrier_threshold);
         policy.kv_barrier_scale_s = p.kv_barrier_scale_s.unwrap_or(policy.kv_barrier_scale_s);
         policy.balance_abs = p.balance_abs.unwrap_or(policy.balance_abs);
         policy.balance_rel = p.balance_rel.unwrap_or(policy.balance_rel);
         policy.distribution_seeding = p.distribution_seeding.unwrap_or(false);
         policy.validate().map_err(cfg_err)?;
 
-        let workers = if o.workers.is_empty() {
-            f.workers
-        } else {
-            o.workers.iter().map(WorkerSpec::new).collect()
-        };
+        let workers = if o.workers.is_empty() { f.workers } else { o.workers.iter().map(WorkerSpec::new).collect() };
         let mut ids = std::collections::HashSet::new();
         for w in &workers {
             w.validate()?;
@@ -494,10 +459,7 @@ impl GatewayConfig {
         let tokenizer = match o.tokenizer.as_deref() {
             None => f.tokenizer.unwrap_or_default(),
             Some("builtin") => TokenizerSpec::Builtin,
-            Some(path) => TokenizerSpec::Hf {
-                path: path.to_owned(),
-                chat_template: o.chat_template.clone(),
-            },
+            Some(path) => TokenizerSpec::Hf { path: path.to_owned(), chat_template: o.chat_template.clone() },
         };
         let s = &f.server;
         let t = &f.telemetry;
@@ -505,31 +467,21 @@ impl GatewayConfig {
         let mut api_keys = f.security.api_keys.clone();
         api_keys.extend(o.api_keys.iter().cloned());
         if api_keys.iter().any(|k| k.trim().is_empty()) {
-            return Err(GatewayError::Config(
-                "api_keys: empty keys are not allowed".into(),
-            ));
+            return Err(GatewayError::Config("api_keys: empty keys are not allowed".into()));
         }
         let admin_key = o.admin_key.clone().or(f.security.admin_key.clone());
         if admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-            return Err(GatewayError::Config(
-                "admin_key: an empty key is not allowed".into(),
-            ));
+            return Err(GatewayError::Config("admin_key: an empty key is not allowed".into()));
         }
         Ok(GatewayConfig {
-            host: o
-                .host
-                .clone()
-                .or(s.host.clone())
-                .unwrap_or_else(|| "127.0.0.1".into()),
+            host: o.host.clone().or(s.host.clone()).unwrap_or_else(|| "127.0.0.1".into()),
             port: o.port.or(s.port).unwrap_or(8080),
             policy,
             block_size,
             admission_wait_s: pick(ADMISSION_WAIT_S, o.admission_wait_s, p.admission_wait_s)?,
-            queue_timeout: Duration::from_millis(pick(
-                QUEUE_TIMEOUT_MS,
-                None,
-                p.queue_timeout_ms.map(|v| v as f64),
-            )? as u64),
+            queue_timeout: Duration::from_millis(
+                pick(QUEUE_TIMEOUT_MS, None, p.queue_timeout_ms.map(|v| v as f64))? as u64
+            ),
             max_queued: pick(MAX_QUEUED, None, p.max_queued.map(|v| v as f64))? as usize,
             workers,
             tokenizer,
@@ -540,11 +492,7 @@ impl GatewayConfig {
                 o.max_body_bytes.map(|v| v as f64),
                 s.max_body_bytes.map(|v| v as f64),
             )? as usize,
-            request_timeout: Duration::from_secs_f64(pick(
-                REQUEST_TIMEOUT_S,
-                None,
-                s.request_timeout_s,
-            )?),
+            request_timeout: Duration::from_secs_f64(pick(REQUEST_TIMEOUT_S, None, s.request_timeout_s)?),
             connect_timeout: Duration::from_millis(pick(
                 CONNECT_TIMEOUT_MS,
                 None,
@@ -560,24 +508,11 @@ impl GatewayConfig {
                 o.health_interval_ms.map(|v| v as f64),
                 t.health_interval_ms.map(|v| v as f64),
             )? as u64),
-            failures_to_open: pick(FAILURES_TO_OPEN, None, t.failures_to_open.map(f64::from))?
-                as u32,
-            shutdown_grace: Duration::from_secs_f64(pick(
-                SHUTDOWN_GRACE_S,
-                o.shutdown_grace_s,
-                s.shutdown_grace_s,
-            )?),
+            failures_to_open: pick(FAILURES_TO_OPEN, None, t.failures_to_open.map(f64::from))? as u32,
+            shutdown_grace: Duration::from_secs_f64(pick(SHUTDOWN_GRACE_S, o.shutdown_grace_s, s.shutdown_grace_s)?),
             decision_log: pick(DECISION_LOG, None, s.decision_log.map(|v| v as f64))? as usize,
-            assumed_prompt_tokens: pick(
-                ASSUMED_PROMPT_TOKENS,
-                None,
-                t.assumed_prompt_tokens.map(|v| v as f64),
-            )? as u64,
-            assumed_decode_tokens: pick(
-                ASSUMED_DECODE_TOKENS,
-                None,
-                t.assumed_decode_tokens.map(|v| v as f64),
-            )? as u64,
+            assumed_prompt_tokens: pick(ASSUMED_PROMPT_TOKENS, None, t.assumed_prompt_tokens.map(|v| v as f64))? as u64,
+            assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, None, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
         })
     }
 }
@@ -645,14 +580,8 @@ mod tests {
         assert!(err("[server]\ncolour = 1").contains("unknown field `colour`"));
         assert!(err("[[workers]]\nurl = \"ftp://x\"").contains("scheme"));
         assert!(err("[[workers]]\nurl = \"not a url\"").contains("worker url"));
-        assert!(
-            err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"")
-                .contains("distinct ids")
-        );
-        assert!(
-            err("[policy]\nname = \"projected\"\ndistribution_seeding = true")
-                .contains("distribution_seeding")
-        );
+        assert!(err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"").contains("distinct ids"));
+        assert!(err("[policy]\nname = \"projected\"\ndistribution_seeding = true").contains("distribution_seeding"));
     }
 
     #[test]

@@ -116,9 +116,7 @@ pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
 
 /// Takes an engine out of rotation after a failed connect; health checks bring it back.
 pub fn connect_failed(state: &AppState, engine: &EngineHandle) {
-    engine
-        .failures
-        .store(state.config.failures_to_open, Ordering::Relaxed);
+    engine.failures.store(state.config.failures_to_open, Ordering::Relaxed);
     set_healthy(state, engine, false);
 }
 
@@ -178,13 +176,7 @@ async fn check_health(state: &AppState, engine: &EngineHandle, refresh_models: b
 }
 
 async fn refresh_model_list(state: &AppState, engine: &EngineHandle, timeout: Duration) {
-    let Ok(resp) = state
-        .http
-        .get(format!("{}/v1/models", engine.base))
-        .timeout(timeout)
-        .send()
-        .await
-    else {
+    let Ok(resp) = state.http.get(format!("{}/v1/models", engine.base)).timeout(timeout).send().await else {
         return;
     };
     let Ok(body) = resp.json::<serde_json::Value>().await else {
@@ -193,49 +185,26 @@ async fn refresh_model_list(state: &AppState, engine: &EngineHandle, timeout: Du
     let ids: Vec<String> = body
         .get("data")
         .and_then(|d| d.as_array())
-        .map(|list| {
-            list.iter()
-                .filter_map(|m| m.get("id").and_then(|v| v.as_str()).map(str::to_owned))
-                .collect()
-        })
+        .map(|list| list.iter().filter_map(|m| m.get("id").and_then(|v| v.as_str()).map(str::to_owned)).collect())
         .unwrap_or_default();
     *engine.models.lock() = ids;
-    let all: std::collections::BTreeSet<String> = state
-        .engines
-        .read()
-        .values()
-        .flat_map(|e| e.models.lock().clone())
-        .collect();
+    let all: std::collections::BTreeSet<String> =
+        state.engines.read().values().flat_map(|e| e.models.lock().clone()).collect();
     *state.models.write() = all;
 }
 
 async fn fetch(state: &AppState, url: String) -> Result<Vec<u8>, String> {
-    let timeout = state
-        .config
-        .poll_interval
-        .max(Duration::from_millis(200))
-        .min(Duration::from_secs(5));
-    let resp = state
-        .http
-        .get(&url)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| format!("{url}: {e}"))?;
+    let timeout = state.config.poll_interval.max(Duration::from_millis(200)).min(Duration::from_secs(5));
+    let resp = state.http.get(&url).timeout(timeout).send().await.map_err(|e| format!("{url}: {e}"))?;
     if !resp.status().is_success() {
         return Err(format!("{url}: HTTP {}", resp.status()));
     }
-    resp.bytes()
-        .await
-        .map(|b| b.to_vec())
-        .map_err(|e| format!("{url}: {e}"))
+    resp.bytes().await.map(|b| b.to_vec()).map_err(|e| format!("{url}: {e}"))
 }
 
 async fn poll_load(state: &AppState, engine: &EngineHandle) {
     let kinds: &[EngineKind] = match (engine.spec.engine, *engine.telemetry.lock()) {
-        (EngineKind::Sglang, _) | (EngineKind::Auto, Some(EngineKind::Sglang)) => {
-            &[EngineKind::Sglang]
-        }
+        (EngineKind::Sglang, _) | (EngineKind::Auto, Some(EngineKind::Sglang)) => &[EngineKind::Sglang],
         (EngineKind::Vllm, _) | (EngineKind::Auto, Some(EngineKind::Vllm)) => &[EngineKind::Vllm],
         (EngineKind::Auto, _) => &[EngineKind::Sglang, EngineKind::Vllm],
     };
@@ -247,9 +216,7 @@ async fn poll_load(state: &AppState, engine: &EngineHandle) {
                 .and_then(|b| parse_sglang_loads(&b).map_err(|e| e.to_string())),
             _ => fetch(state, format!("{}/metrics", engine.base))
                 .await
-                .and_then(|b| {
-                    parse_prometheus(&String::from_utf8_lossy(&b)).map_err(|e| e.to_string())
-                }),
+                .and_then(|b| parse_prometheus(&String::from_utf8_lossy(&b)).map_err(|e| e.to_string())),
         };
         match result {
             Ok(load) => {

@@ -70,10 +70,7 @@ pub enum ApiError {
 impl ApiError {
     /// An invalid request, naming the field.
     pub fn invalid(param: &str, message: impl Into<String>) -> Self {
-        ApiError::InvalidRequest {
-            param: Some(param.to_owned()),
-            message: message.into(),
-        }
+        ApiError::InvalidRequest { param: Some(param.to_owned()), message: message.into() }
     }
 
     /// Where it came from.
@@ -85,12 +82,8 @@ impl ApiError {
             | ApiError::ModelNotFound(_)
             | ApiError::NotFound(_)
             | ApiError::PayloadTooLarge(_) => Origin::Client,
-            ApiError::UpstreamUnavailable
-            | ApiError::UpstreamTimeout
-            | ApiError::UpstreamFailed => Origin::Upstream,
-            ApiError::Overloaded { .. } | ApiError::NoEligibleWorker | ApiError::Internal => {
-                Origin::Gateway
-            }
+            ApiError::UpstreamUnavailable | ApiError::UpstreamTimeout | ApiError::UpstreamFailed => Origin::Upstream,
+            ApiError::Overloaded { .. } | ApiError::NoEligibleWorker | ApiError::Internal => Origin::Gateway,
         }
     }
 
@@ -177,14 +170,8 @@ mod tests {
         let e = ApiError::invalid("messages", "`messages` must be a non-empty array");
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.body()["error"]["param"], "messages");
-        assert_eq!(
-            ApiError::ModelNotFound("x".into()).status(),
-            StatusCode::NOT_FOUND
-        );
-        let o = ApiError::Overloaded {
-            wait_s: 40.2,
-            limit_s: 30.0,
-        };
+        assert_eq!(ApiError::ModelNotFound("x".into()).status(), StatusCode::NOT_FOUND);
+        let o = ApiError::Overloaded { wait_s: 40.2, limit_s: 30.0 };
         let resp = o.clone().into_response();
         assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(resp.headers()[header::RETRY_AFTER], "11");

@@ -62,9 +62,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
     if state.config.admin_key.is_none() {
-        tracing::warn!(
-            "no admin key configured: /admin routes are open to anyone who can reach the gateway"
-        );
+        tracing::warn!("no admin key configured: /admin routes are open to anyone who can reach the gateway");
     }
     engines::start_all(&state);
     let app = api::routes(state.clone());
@@ -74,6 +72,13 @@ pub async fn serve(
         tracing::info!("shutting down: no new connections; draining in-flight requests");
         let _ = signalled_tx.send(());
     };
+    // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm and delayed ACKs add
+    // tens of milliseconds to the first token.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
     let grace = state.config.shutdown_grace;
     let deadline = async move {

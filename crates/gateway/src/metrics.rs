@@ -67,23 +67,11 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("kvgate");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
-            "requests",
-            "Requests by final status and engine",
-            requests.clone(),
-        );
+        registry.register("requests", "Requests by final status and engine", requests.clone());
         let decision_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
-        registry.register(
-            "decision_duration_seconds",
-            "Time to decide and reserve",
-            decision_latency.clone(),
-        );
+        registry.register("decision_duration_seconds", "Time to decide and reserve", decision_latency.clone());
         let decisions = Family::<ReasonLabel, Counter>::default();
-        registry.register(
-            "decisions",
-            "Routing decisions by reason",
-            decisions.clone(),
-        );
+        registry.register("decisions", "Routing decisions by reason", decisions.clone());
         let shadow_disagreements = Counter::default();
         registry.register(
             "shadow_disagreements",
@@ -91,52 +79,25 @@ impl Metrics {
             shadow_disagreements.clone(),
         );
         let escapes = Counter::default();
-        registry.register(
-            "escapes",
-            "Escapes from the cache winner to the load-only winner",
-            escapes.clone(),
-        );
+        registry.register("escapes", "Escapes from the cache winner to the load-only winner", escapes.clone());
         let fallbacks = Family::<ReasonLabel, Counter>::default();
-        registry.register(
-            "fallbacks",
-            "Load-only fallbacks by telemetry problem",
-            fallbacks.clone(),
-        );
-        let upstream_ttft = Family::<EngineLabel, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        registry.register(
-            "upstream_ttft_seconds",
-            "Upstream time to first byte",
-            upstream_ttft.clone(),
-        );
-        let upstream_duration = Family::<EngineLabel, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        registry.register(
-            "upstream_duration_seconds",
-            "Upstream request duration",
-            upstream_duration.clone(),
-        );
+        registry.register("fallbacks", "Load-only fallbacks by telemetry problem", fallbacks.clone());
+        let upstream_ttft =
+            Family::<EngineLabel, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register("upstream_ttft_seconds", "Upstream time to first byte", upstream_ttft.clone());
+        let upstream_duration =
+            Family::<EngineLabel, Histogram>::new_with_constructor(latency_histogram as fn() -> Histogram);
+        registry.register("upstream_duration_seconds", "Upstream request duration", upstream_duration.clone());
         let in_flight = Family::<EngineLabel, Gauge>::default();
-        registry.register(
-            "in_flight",
-            "Requests in flight per engine",
-            in_flight.clone(),
-        );
-        let projected_seconds =
-            Family::<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register("in_flight", "Requests in flight per engine", in_flight.clone());
+        let projected_seconds = Family::<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register(
             "projected_seconds",
             "Projected seconds per engine at its latest scoring",
             projected_seconds.clone(),
         );
         let retries = Counter::default();
-        registry.register(
-            "retries",
-            "Failed connects retried on another engine",
-            retries.clone(),
-        );
+        registry.register("retries", "Failed connects retried on another engine", retries.clone());
         Metrics {
             registry,
             requests,
@@ -163,20 +124,13 @@ impl Metrics {
     /// Counts a finished request.
     pub fn request(&self, status: u16, engine: Option<&str>) {
         self.requests
-            .get_or_create(&RequestLabels {
-                status: status.to_string(),
-                engine: engine.unwrap_or("none").to_owned(),
-            })
+            .get_or_create(&RequestLabels { status: status.to_string(), engine: engine.unwrap_or("none").to_owned() })
             .inc();
     }
 
     /// The in-flight gauge of an engine.
     pub fn in_flight_of(&self, engine: &str) -> Gauge {
-        self.in_flight
-            .get_or_create(&EngineLabel {
-                engine: engine.to_owned(),
-            })
-            .clone()
+        self.in_flight.get_or_create(&EngineLabel { engine: engine.to_owned() }).clone()
     }
 }
 

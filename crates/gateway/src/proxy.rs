@@ -10,10 +10,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use kvgate_core::{
-    DecideError, Decision, FallbackReason, Mode, Namespace, Reason, RequestId, RouteRequest,
-    WorkerId,
-};
+use kvgate_core::{DecideError, Decision, FallbackReason, Mode, Namespace, Reason, RequestId, RouteRequest, WorkerId};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::api::request::{Endpoint, Parsed};
@@ -42,16 +39,11 @@ impl Flight {
     fn first_byte(&mut self) {
         if !self.first_byte {
             self.first_byte = true;
-            let _ = self
-                .state
-                .router
-                .first_token(self.id, self.state.clock.now());
+            let _ = self.state.router.first_token(self.id, self.state.clock.now());
             self.state
                 .metrics
                 .upstream_ttft
-                .get_or_create(&EngineLabel {
-                    engine: self.engine.to_string(),
-                })
+                .get_or_create(&EngineLabel { engine: self.engine.to_string() })
                 .observe(self.started.elapsed().as_secs_f64());
         }
     }
@@ -64,14 +56,10 @@ impl Drop for Flight {
         self.state
             .metrics
             .upstream_duration
-            .get_or_create(&EngineLabel {
-                engine: self.engine.to_string(),
-            })
+            .get_or_create(&EngineLabel { engine: self.engine.to_string() })
             .observe(self.started.elapsed().as_secs_f64());
         if self.outcome != 0 {
-            self.state
-                .metrics
-                .request(self.outcome, Some(self.engine.as_str()));
+            self.state.metrics.request(self.outcome, Some(self.engine.as_str()));
         }
     }
 }
@@ -80,11 +68,7 @@ impl Drop for Flight {
 fn record(state: &AppState, endpoint: Endpoint, d: &Decision, started: Instant) {
     let m = &state.metrics;
     m.decision_latency.observe(started.elapsed().as_secs_f64());
-    m.decisions
-        .get_or_create(&crate::metrics::ReasonLabel {
-            reason: d.reason.as_str().to_owned(),
-        })
-        .inc();
+    m.decisions.get_or_create(&crate::metrics::ReasonLabel { reason: d.reason.as_str().to_owned() }).inc();
     if d.shadow_disagrees() {
         m.shadow_disagreements.inc();
     }
@@ -95,21 +79,13 @@ fn record(state: &AppState, endpoint: Endpoint, d: &Decision, started: Instant) 
                 m.escapes.inc();
             }
             Some(Reason::Fallback(r)) => {
-                m.fallbacks
-                    .get_or_create(&crate::metrics::ReasonLabel {
-                        reason: fallback_label(r),
-                    })
-                    .inc();
+                m.fallbacks.get_or_create(&crate::metrics::ReasonLabel { reason: fallback_label(r) }).inc();
             }
             _ => {}
         }
     }
     for s in &d.scores {
-        m.projected_seconds
-            .get_or_create(&EngineLabel {
-                engine: s.worker.to_string(),
-            })
-            .set(s.projected_s);
+        m.projected_seconds.get_or_create(&EngineLabel { engine: s.worker.to_string() }).set(s.projected_s);
     }
     state.log_decision(endpoint_name(endpoint), d.clone());
 }
@@ -125,10 +101,7 @@ pub fn endpoint_name(e: Endpoint) -> &'static str {
 
 /// The chosen engine's projected queue, the admission measure.
 fn chosen_wait_s(d: &Decision) -> f64 {
-    d.scores
-        .iter()
-        .find(|s| s.worker == d.worker)
-        .map_or(0.0, |s| s.wait_s + s.decode_s)
+    d.scores.iter().find(|s| s.worker == d.worker).map_or(0.0, |s| s.wait_s + s.decode_s)
 }
 
 /// Routes and proxies one request.
@@ -138,22 +111,15 @@ pub async fn dispatch(
     body: Bytes,
     parsed: Parsed,
 ) -> Result<Response, ApiError> {
-    let keys = state.router.request_keys(
-        Namespace::new(None, parsed.cache_salt.as_deref()),
-        &parsed.tokens,
-    );
+    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
     let deadline = state.clock.instant() + state.config.queue_timeout;
     let mut queued = false;
     let attempts = state.engines.read().len().clamp(1, 3);
     let mut attempt = 0;
     let result = loop {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
-        let route = RouteRequest {
-            id,
-            keys: &keys,
-            prompt_tokens: parsed.tokens.len() as u64,
-            max_tokens: parsed.max_tokens,
-        };
+        let route =
+            RouteRequest { id, keys: &keys, prompt_tokens: parsed.tokens.len() as u64, max_tokens: parsed.max_tokens };
         let started = state.clock.instant();
         let decided = {
             let mut rng = state.rng.lock();
@@ -177,10 +143,7 @@ pub async fn dispatch(
             if wait_for_capacity(&state, deadline, &mut queued).await {
                 continue;
             }
-            break Err(ApiError::Overloaded {
-                wait_s: wait,
-                limit_s: limit,
-            });
+            break Err(ApiError::Overloaded { wait_s: wait, limit_s: limit });
         }
         let Some(engine) = state.engine(&decision.worker) else {
             let _ = state.router.release(id, state.clock.now());
@@ -227,11 +190,7 @@ pub async fn dispatch(
                 if e.is_connect() {
                     engines::connect_failed(&state, &engine);
                 }
-                let err = if e.is_timeout() {
-                    ApiError::UpstreamTimeout
-                } else {
-                    ApiError::UpstreamUnavailable
-                };
+                let err = if e.is_timeout() { ApiError::UpstreamTimeout } else { ApiError::UpstreamUnavailable };
                 let mut flight = flight;
                 flight.outcome = err.status().as_u16();
                 break Err(err);
@@ -268,20 +227,11 @@ async fn wait_for_capacity(state: &AppState, deadline: Instant, queued: &mut boo
 }
 
 fn copy_content_type(from: &reqwest::header::HeaderMap, to: &mut Response) {
-    let ct = from
-        .get(reqwest::header::CONTENT_TYPE)
-        .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
-    to.headers_mut().insert(
-        header::CONTENT_TYPE,
-        ct.unwrap_or(HeaderValue::from_static("application/json")),
-    );
+    let ct = from.get(reqwest::header::CONTENT_TYPE).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
+    to.headers_mut().insert(header::CONTENT_TYPE, ct.unwrap_or(HeaderValue::from_static("application/json")));
 }
 
-async fn respond(
-    resp: reqwest::Response,
-    mut flight: Flight,
-    stream: bool,
-) -> Result<Response, ApiError> {
+async fn respond(resp: reqwest::Response, mut flight: Flight, stream: bool) -> Result<Response, ApiError> {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     if status.is_server_error() {
         tracing::warn!(engine = %flight.engine, request = flight.id.0, %status, "upstream answered with a server error");
@@ -307,35 +257,31 @@ async fn respond(
     }
     flight.outcome = 499;
     let upstream = resp.bytes_stream();
-    let body = futures_util::stream::unfold(
-        (upstream, Some(flight)),
-        |(mut upstream, mut flight)| async move {
-            let f = flight.as_mut()?;
-            match upstream.next().await {
-                Some(Ok(chunk)) => {
-                    f.first_byte();
-                    Some((Ok::<Bytes, std::io::Error>(chunk), (upstream, flight)))
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(engine = %f.engine, request = f.id.0, error = %e, "upstream stream broke mid-response");
-                    f.outcome = 502;
-                    let event = format!("data: {}\n\n", ApiError::UpstreamFailed.body());
-                    drop(flight.take());
-                    Some((Ok(Bytes::from(event)), (upstream, None)))
-                }
-                None => {
-                    f.outcome = 200;
-                    drop(flight.take());
-                    None
-                }
+    let body = futures_util::stream::unfold((upstream, Some(flight)), |(mut upstream, mut flight)| async move {
+        let f = flight.as_mut()?;
+        match upstream.next().await {
+            Some(Ok(chunk)) => {
+                f.first_byte();
+                Some((Ok::<Bytes, std::io::Error>(chunk), (upstream, flight)))
             }
-        },
-    );
+            Some(Err(e)) => {
+                tracing::warn!(engine = %f.engine, request = f.id.0, error = %e, "upstream stream broke mid-response");
+                f.outcome = 502;
+                let event = format!("data: {}\n\n", ApiError::UpstreamFailed.body());
+                drop(flight.take());
+                Some((Ok(Bytes::from(event)), (upstream, None)))
+            }
+            None => {
+                f.outcome = 200;
+                drop(flight.take());
+                None
+            }
+        }
+    });
     let mut out = Response::new(Body::from_stream(body));
     *out.status_mut() = status;
     copy_content_type(&headers, &mut out);
-    out.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    out.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     if let Some(v) = request_id {
         out.headers_mut().insert("x-kvgate-request-id", v);
     }

@@ -68,19 +68,16 @@ pub struct AppState {
 
 impl std::fmt::Debug for AppState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState")
-            .field("engines", &self.engines.read().len())
-            .finish_non_exhaustive()
+        f.debug_struct("AppState").field("engines", &self.engines.read().len()).finish_non_exhaustive()
     }
 }
 
 impl AppState {
     /// Builds the state (no background tasks yet; [`crate::engines::start`] runs them).
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
-        let router = Router::new(config.block_size, config.policy.clone())
-            .map_err(|e| GatewayError::Config(e.to_string()))?;
-        let tokenizer = crate::tokenize::build(&config.tokenizer)
-            .map_err(|e| GatewayError::Config(e.to_string()))?;
+        let router =
+            Router::new(config.block_size, config.policy.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
+        let tokenizer = crate::tokenize::build(&config.tokenizer).map_err(|e| GatewayError::Config(e.to_string()))?;
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .pool_idle_timeout(std::time::Duration::from_secs(90))
@@ -89,9 +86,7 @@ impl AppState {
         let clock = Clock::start();
         let seed = crate::clock::entropy();
         let state = Arc::new(AppState {
-            runtime: RwLock::new(Runtime {
-                admission_wait_s: config.admission_wait_s,
-            }),
+            runtime: RwLock::new(Runtime { admission_wait_s: config.admission_wait_s }),
             router,
             clock,
             engines: RwLock::new(BTreeMap::new()),
@@ -141,15 +136,10 @@ impl AppState {
 
     /// Removes an engine; in-flight requests finish, but their reservations are dropped.
     pub fn remove_engine(&self, id: &WorkerId) -> Result<(), GatewayError> {
-        let handle = self
-            .engines
-            .write()
-            .remove(id)
-            .ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
+        let handle =
+            self.engines.write().remove(id).ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
         handle.stop();
-        self.router
-            .remove_worker(id)
-            .map_err(|e| GatewayError::NotFound(e.to_string()))?;
+        self.router.remove_worker(id).map_err(|e| GatewayError::NotFound(e.to_string()))?;
         Ok(())
     }
 
@@ -168,10 +158,6 @@ impl AppState {
         if log.len() >= cap {
             log.pop_front();
         }
-        log.push_back(LoggedDecision {
-            at_ms: self.clock.now().as_micros() / 1000,
-            endpoint,
-            decision,
-        });
+        log.push_back(LoggedDecision { at_ms: self.clock.now().as_micros() / 1000, endpoint, decision });
     }
 }

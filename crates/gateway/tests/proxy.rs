@@ -11,12 +11,7 @@ use serde_json::{json, Value};
 use support::*;
 
 fn idle(state: &kvgate_gateway::AppState) -> bool {
-    state.router.in_flight() == 0
-        && state
-            .router
-            .workers(state.clock.now())
-            .iter()
-            .all(|w| w.in_flight == 0)
+    state.router.in_flight() == 0 && state.router.workers(state.clock.now()).iter().all(|w| w.in_flight == 0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,29 +43,11 @@ async fn streams_pass_through_chunk_by_chunk_unchanged() {
     }
     let total = started.elapsed();
     let expected = recorded_stream("chat_completions_chat-completion.streaming.1");
-    assert_eq!(
-        String::from_utf8(received).unwrap(),
-        expected,
-        "the stream arrives byte for byte"
-    );
-    assert!(
-        chunks > 10,
-        "forwarded as chunks, not one buffered body: {chunks}"
-    );
-    assert!(
-        first_chunk_at.unwrap() * 4 < total,
-        "first chunk at {:?} of {total:?}",
-        first_chunk_at.unwrap()
-    );
-    assert_eq!(
-        engine.received.lock()[0].1.as_ref(),
-        &sent[..],
-        "the request body is forwarded unchanged"
-    );
-    assert!(
-        gw.eventually(Duration::from_secs(2), idle).await,
-        "the reservation is released at the end"
-    );
+    assert_eq!(String::from_utf8(received).unwrap(), expected, "the stream arrives byte for byte");
+    assert!(chunks > 10, "forwarded as chunks, not one buffered body: {chunks}");
+    assert!(first_chunk_at.unwrap() * 4 < total, "first chunk at {:?} of {total:?}", first_chunk_at.unwrap());
+    assert_eq!(engine.received.lock()[0].1.as_ref(), &sent[..], "the request body is forwarded unchanged");
+    assert!(gw.eventually(Duration::from_secs(2), idle).await, "the reservation is released at the end");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,46 +56,19 @@ async fn non_streaming_and_generate_and_completions_are_proxied() {
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
     let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        r.json::<Value>().await.unwrap()["choices"][0]["message"]["content"],
-        "hello"
-    );
-    let r = gw
-        .post(
-            "/generate",
-            &json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}),
-        )
-        .await;
+    assert_eq!(r.json::<Value>().await.unwrap()["choices"][0]["message"]["content"], "hello");
+    let r = gw.post("/generate", &json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.json::<Value>().await.unwrap()["text"], "ok");
-    let r = gw
-        .post(
-            "/v1/completions",
-            &json!({"model": "test-model", "prompt": "Once upon", "stream": true}),
-        )
-        .await;
+    let r = gw.post("/v1/completions", &json!({"model": "test-model", "prompt": "Once upon", "stream": true})).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        r.text().await.unwrap(),
-        recorded_stream("completions_completion.streaming.1")
-    );
-    let paths: Vec<String> = engine
-        .received
-        .lock()
-        .iter()
-        .map(|(p, _)| p.clone())
-        .collect();
-    assert_eq!(
-        paths,
-        vec!["/v1/chat/completions", "/generate", "/v1/completions"]
-    );
+    assert_eq!(r.text().await.unwrap(), recorded_stream("completions_completion.streaming.1"));
+    let paths: Vec<String> = engine.received.lock().iter().map(|(p, _)| p.clone()).collect();
+    assert_eq!(paths, vec!["/v1/chat/completions", "/generate", "/v1/completions"]);
     let log = gw.get_json("/admin/decisions").await;
     let generate = &log["decisions"][1];
     assert_eq!(generate["endpoint"], "/generate");
-    assert_eq!(
-        generate["decision"]["prompt_tokens"], 3,
-        "client token ids are used as they are"
-    );
+    assert_eq!(generate["decision"]["prompt_tokens"], 3, "client token ids are used as they are");
     assert!(gw.eventually(Duration::from_secs(2), idle).await);
 }
 
@@ -132,19 +82,8 @@ async fn a_client_disconnect_mid_stream_releases_the_reservation() {
     stream.next().await.unwrap().unwrap();
     assert_eq!(gw.state.router.in_flight(), 1);
     drop(stream);
-    assert!(
-        gw.eventually(Duration::from_secs(3), idle).await,
-        "dropping the client frees the reservation"
-    );
-    let metrics = gw
-        .client
-        .get(gw.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    assert!(gw.eventually(Duration::from_secs(3), idle).await, "dropping the client frees the reservation");
+    let metrics = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("status=\"499\""), "{metrics}");
 }
 
@@ -159,22 +98,9 @@ async fn a_failed_connect_is_retried_on_another_engine() {
     }
     assert_eq!(engine.requests(), 6);
     let workers = gw.get_json("/admin/workers").await;
-    let dead_view = workers["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["url"] == dead)
-        .unwrap();
+    let dead_view = workers["workers"].as_array().unwrap().iter().find(|w| w["url"] == dead).unwrap();
     assert_eq!(dead_view["healthy"], false);
-    let metrics = gw
-        .client
-        .get(gw.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kvgate_retries_total 1"), "{metrics}");
 }
 
@@ -183,24 +109,14 @@ async fn an_engine_failing_mid_stream_is_reported_to_the_client() {
     let engine = fake_engine().await;
     engine.set(|b| b.fail_after = Some(3));
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
-    let text = gw
-        .post("/v1/chat/completions", &chat_body(true))
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = gw.post("/v1/chat/completions", &chat_body(true)).await.text().await.unwrap();
     let evs = events(&text);
     assert_eq!(evs.len(), 4, "{text}");
-    let expected = events(&recorded_stream(
-        "chat_completions_chat-completion.streaming.1",
-    ));
+    let expected = events(&recorded_stream("chat_completions_chat-completion.streaming.1"));
     assert_eq!(evs[..3], expected[..3]);
     let err: Value = serde_json::from_str(evs[3].trim().strip_prefix("data: ").unwrap()).unwrap();
     assert_eq!(err["error"]["code"], "upstream_error");
-    assert!(
-        !text.contains(&engine.addr.to_string()),
-        "the engine is never named to the client"
-    );
+    assert!(!text.contains(&engine.addr.to_string()), "the engine is never named to the client");
     assert!(gw.eventually(Duration::from_secs(2), idle).await);
 }
 
@@ -212,52 +128,24 @@ async fn status_of(resp: reqwest::Response) -> (u16, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_errors_get_openai_style_bodies() {
     let engine = fake_engine().await;
-    let gw = gateway(&base_toml(
-        &[engine.url()],
-        "[server]\nmax_body_bytes = 4096\n",
-    ))
-    .await;
+    let gw = gateway(&base_toml(&[engine.url()], "[server]\nmax_body_bytes = 4096\n")).await;
     let raw = |body: &'static str| {
-        gw.client
-            .post(gw.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+        gw.client.post(gw.url("/v1/chat/completions")).header("content-type", "application/json").body(body).send()
     };
     let (s, b) = status_of(raw("{not json").await.unwrap()).await;
-    assert_eq!(
-        (s, b["error"]["code"].as_str()),
-        (400, Some("invalid_json"))
-    );
-    let (s, b) = status_of(
-        gw.post("/v1/chat/completions", &json!({"messages": "hi"}))
-            .await,
-    )
-    .await;
+    assert_eq!((s, b["error"]["code"].as_str()), (400, Some("invalid_json")));
+    let (s, b) = status_of(gw.post("/v1/chat/completions", &json!({"messages": "hi"})).await).await;
     assert_eq!((s, b["error"]["param"].as_str()), (400, Some("messages")));
     let big = json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]});
     let (s, b) = status_of(gw.post("/v1/chat/completions", &big).await).await;
-    assert_eq!(
-        (s, b["error"]["code"].as_str()),
-        (413, Some("payload_too_large"))
-    );
-    assert!(
-        gw.eventually(Duration::from_secs(2), |s| !s.models.read().is_empty())
-            .await,
-        "models discovered"
-    );
+    assert_eq!((s, b["error"]["code"].as_str()), (413, Some("payload_too_large")));
+    assert!(gw.eventually(Duration::from_secs(2), |s| !s.models.read().is_empty()).await, "models discovered");
     let (s, b) = status_of(
-        gw.post(
-            "/v1/chat/completions",
-            &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
-        )
-        .await,
+        gw.post("/v1/chat/completions", &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}))
+            .await,
     )
     .await;
-    assert_eq!(
-        (s, b["error"]["code"].as_str()),
-        (404, Some("model_not_found"))
-    );
+    assert_eq!((s, b["error"]["code"].as_str()), (404, Some("model_not_found")));
     let (s, _) = status_of(gw.post("/v2/everything", &json!({})).await).await;
     assert_eq!(s, 404);
     let models = gw.get_json("/v1/models").await;
@@ -274,98 +162,35 @@ async fn api_keys_guard_clients_and_the_admin_key_guards_admin() {
     ))
     .await;
     let (s, b) = status_of(gw.post("/v1/chat/completions", &chat_body(false)).await).await;
-    assert_eq!(
-        (s, b["error"]["code"].as_str()),
-        (401, Some("invalid_api_key"))
-    );
-    let with = |key: &str, path: &str| {
-        gw.client
-            .post(gw.url(path))
-            .bearer_auth(key)
-            .json(&chat_body(false))
-            .send()
-    };
-    assert_eq!(
-        with("wrong", "/v1/chat/completions")
-            .await
-            .unwrap()
-            .status(),
-        401
-    );
-    assert_eq!(
-        with("client-secret", "/v1/chat/completions")
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    let admin = |key: &str| {
-        gw.client
-            .get(gw.url("/admin/workers"))
-            .bearer_auth(key)
-            .send()
-    };
-    assert_eq!(
-        admin("client-secret").await.unwrap().status(),
-        401,
-        "a client key is not an admin key"
-    );
+    assert_eq!((s, b["error"]["code"].as_str()), (401, Some("invalid_api_key")));
+    let with = |key: &str, path: &str| gw.client.post(gw.url(path)).bearer_auth(key).json(&chat_body(false)).send();
+    assert_eq!(with("wrong", "/v1/chat/completions").await.unwrap().status(), 401);
+    assert_eq!(with("client-secret", "/v1/chat/completions").await.unwrap().status(), 200);
+    let admin = |key: &str| gw.client.get(gw.url("/admin/workers")).bearer_auth(key).send();
+    assert_eq!(admin("client-secret").await.unwrap().status(), 401, "a client key is not an admin key");
     assert_eq!(admin("admin-secret").await.unwrap().status(), 200);
-    assert_eq!(
-        gw.client
-            .get(gw.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200,
-        "health needs no key"
-    );
+    assert_eq!(gw.client.get(gw.url("/health")).send().await.unwrap().status(), 200, "health needs no key");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_answers_429_with_retry_after_and_503_without_engines() {
     let engine = fake_engine().await;
     engine.set(|b| b.load = (400, 4_000_000, 200));
-    let gw = gateway(&base_toml(
-        &[engine.url()],
-        "[policy]\nadmission_wait_s = 5\n",
-    ))
-    .await;
+    let gw = gateway(&base_toml(&[engine.url()], "[policy]\nadmission_wait_s = 5\n")).await;
     assert!(
-        gw.eventually(Duration::from_secs(3), |s| s.router.workers(s.clock.now())
-            [0]
-        .waiting_requests
-            >= 400)
-            .await,
+        gw.eventually(Duration::from_secs(3), |s| s.router.workers(s.clock.now())[0].waiting_requests >= 400).await,
         "the load report arrives"
     );
     let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
     assert_eq!(r.status(), 429);
-    let retry: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     assert!(retry >= 1);
     assert_eq!(engine.requests(), 0);
     assert!(idle(&gw.state), "a refused request holds no reservation");
     let empty = gateway(&base_toml(&[], "")).await;
     let (s, b) = status_of(empty.post("/v1/chat/completions", &chat_body(false)).await).await;
-    assert_eq!(
-        (s, b["error"]["code"].as_str()),
-        (503, Some("no_engine_available"))
-    );
-    assert_eq!(
-        empty
-            .client
-            .get(empty.url("/ready"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        503
-    );
+    assert_eq!((s, b["error"]["code"].as_str()), (503, Some("no_engine_available")));
+    assert_eq!(empty.client.get(empty.url("/ready")).send().await.unwrap().status(), 503);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -378,12 +203,7 @@ async fn bounded_queueing_waits_for_an_engine_to_come_back() {
     ))
     .await;
     assert!(
-        gw.eventually(Duration::from_secs(2), |s| s
-            .router
-            .workers(s.clock.now())
-            .iter()
-            .all(|w| !w.eligible))
-            .await
+        gw.eventually(Duration::from_secs(2), |s| s.router.workers(s.clock.now()).iter().all(|w| !w.eligible)).await
     );
     let e = engine.clone();
     tokio::spawn(async move {
@@ -399,36 +219,21 @@ async fn policy_mode_and_knobs_change_at_runtime_and_bad_values_change_nothing()
     let engine = fake_engine().await;
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
     let put = |v: Value| gw.client.put(gw.url("/admin/policy")).json(&v).send();
-    let r = put(json!({"mode": "shadow", "escape_seconds": 2.5}))
-        .await
-        .unwrap();
+    let r = put(json!({"mode": "shadow", "escape_seconds": 2.5})).await.unwrap();
     assert_eq!(r.status(), 200);
     let p = gw.get_json("/admin/policy").await;
-    assert_eq!(
-        (p["mode"].as_str(), p["escape_seconds"].as_f64()),
-        (Some("shadow"), Some(2.5))
-    );
+    assert_eq!((p["mode"].as_str(), p["escape_seconds"].as_f64()), (Some("shadow"), Some(2.5)));
     gw.post("/v1/chat/completions", &chat_body(false)).await;
     let log = gw.get_json("/admin/decisions?limit=1").await;
     assert_eq!(log["decisions"][0]["decision"]["reason"], "shadow");
     let (s, b) = status_of(put(json!({"escape_seconds": -1})).await.unwrap()).await;
     assert_eq!(s, 400);
-    assert!(
-        b["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("escape_seconds"),
-        "{b}"
-    );
+    assert!(b["error"]["message"].as_str().unwrap().contains("escape_seconds"), "{b}");
     let (s, _) = status_of(put(json!({"distribution_seeding": true})).await.unwrap()).await;
     assert_eq!(s, 400);
     let (s, _) = status_of(put(json!({"colour": 1})).await.unwrap()).await;
     assert_eq!(s, 400);
-    assert_eq!(
-        gw.get_json("/admin/policy").await["escape_seconds"],
-        2.5,
-        "unchanged after bad updates"
-    );
+    assert_eq!(gw.get_json("/admin/policy").await["escape_seconds"], 2.5, "unchanged after bad updates");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -436,82 +241,33 @@ async fn workers_can_be_added_and_removed_at_runtime() {
     let a = fake_engine().await;
     let b = fake_engine().await;
     let gw = gateway(&base_toml(&[a.url()], "")).await;
-    let r = gw
-        .client
-        .post(gw.url("/admin/workers"))
-        .json(&json!({"url": b.url(), "id": "b"}))
-        .send()
-        .await
-        .unwrap();
+    let r = gw.client.post(gw.url("/admin/workers")).json(&json!({"url": b.url(), "id": "b"})).send().await.unwrap();
     assert_eq!(r.status(), 201);
-    let dup = gw
-        .client
-        .post(gw.url("/admin/workers"))
-        .json(&json!({"url": b.url(), "id": "b"}))
-        .send()
-        .await
-        .unwrap();
+    let dup = gw.client.post(gw.url("/admin/workers")).json(&json!({"url": b.url(), "id": "b"})).send().await.unwrap();
     assert_eq!(dup.status(), 400);
-    assert_eq!(
-        gw.get_json("/admin/workers").await["workers"]
-            .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
+    assert_eq!(gw.get_json("/admin/workers").await["workers"].as_array().unwrap().len(), 2);
     for _ in 0..8 {
-        assert_eq!(
-            gw.post("/v1/chat/completions", &chat_body(false))
-                .await
-                .status(),
-            200
-        );
+        assert_eq!(gw.post("/v1/chat/completions", &chat_body(false)).await.status(), 200);
     }
     assert!(b.requests() > 0, "the new worker takes traffic");
-    let r = gw
-        .client
-        .delete(gw.url("/admin/workers/b"))
-        .send()
-        .await
-        .unwrap();
+    let r = gw.client.delete(gw.url("/admin/workers/b")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let before = b.requests();
     for _ in 0..4 {
         gw.post("/v1/chat/completions", &chat_body(false)).await;
     }
     assert_eq!(b.requests(), before, "a removed worker gets nothing");
-    assert_eq!(
-        gw.client
-            .delete(gw.url("/admin/workers/b"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        404
-    );
+    assert_eq!(gw.client.delete(gw.url("/admin/workers/b")).send().await.unwrap().status(), 404);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_decide_previews_without_dispatching() {
     let engine = fake_engine().await;
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
-    let before = gw
-        .post("/admin/decide", &chat_body(false))
-        .await
-        .json::<Value>()
-        .await
-        .unwrap();
-    assert_eq!(
-        before["decision"]["reason"], "fallback:missing",
-        "no load report yet"
-    );
+    let before = gw.post("/admin/decide", &chat_body(false)).await.json::<Value>().await.unwrap();
+    assert_eq!(before["decision"]["reason"], "fallback:missing", "no load report yet");
     gw.wait_for_load().await;
-    let r = gw
-        .post("/admin/decide", &chat_body(false))
-        .await
-        .json::<Value>()
-        .await
-        .unwrap();
+    let r = gw.post("/admin/decide", &chat_body(false)).await.json::<Value>().await.unwrap();
     assert_eq!(r["endpoint"], "/v1/chat/completions");
     assert_eq!(r["decision"]["reason"], "load_only");
     assert!(r["decision"]["scores"][0]["projected_s"].is_f64());
@@ -522,20 +278,13 @@ async fn admin_decide_previews_without_dispatching() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_prompts_work() {
     let engine = fake_engine().await;
-    let gw = gateway(&base_toml(
-        &[engine.url()],
-        "[server]\nmax_body_bytes = 2000000\n",
-    ))
-    .await;
+    let gw = gateway(&base_toml(&[engine.url()], "[server]\nmax_body_bytes = 2000000\n")).await;
     let prompt = "lorem ipsum dolor sit amet ".repeat(20_000);
     let body = json!({"model": "test-model", "messages": [{"role": "user", "content": prompt}]});
     assert!(serde_json::to_vec(&body).unwrap().len() > 500_000);
     let r = gw.post("/v1/chat/completions", &body).await;
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        engine.received.lock()[0].1.len(),
-        serde_json::to_vec(&body).unwrap().len()
-    );
+    assert_eq!(engine.received.lock()[0].1.len(), serde_json::to_vec(&body).unwrap().len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -550,18 +299,9 @@ async fn graceful_shutdown_lets_a_stream_in_flight_finish() {
     while let Some(chunk) = stream.next().await {
         got.extend_from_slice(&chunk.unwrap());
     }
-    assert_eq!(
-        String::from_utf8(got).unwrap(),
-        recorded_stream("chat_completions_chat-completion.streaming.1")
-    );
-    tokio::time::timeout(Duration::from_secs(5), &mut gw.task)
-        .await
-        .expect("the server stops after draining")
-        .unwrap();
-    assert!(
-        reqwest::get(gw.url("/health")).await.is_err(),
-        "no new connections after shutdown"
-    );
+    assert_eq!(String::from_utf8(got).unwrap(), recorded_stream("chat_completions_chat-completion.streaming.1"));
+    tokio::time::timeout(Duration::from_secs(5), &mut gw.task).await.expect("the server stops after draining").unwrap();
+    assert!(reqwest::get(gw.url("/health")).await.is_err(), "no new connections after shutdown");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -569,22 +309,9 @@ async fn metrics_cover_requests_decisions_and_engines() {
     let engine = fake_engine().await;
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
     gw.wait_for_load().await;
-    gw.post("/v1/chat/completions", &chat_body(true))
-        .await
-        .text()
-        .await
-        .unwrap();
-    gw.post("/v1/chat/completions", &json!({"messages": 1}))
-        .await;
-    let text = gw
-        .client
-        .get(gw.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    gw.post("/v1/chat/completions", &chat_body(true)).await.text().await.unwrap();
+    gw.post("/v1/chat/completions", &json!({"messages": 1})).await;
+    let text = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
     for needle in [
         "kvgate_requests_total{status=\"200\",engine=\"127.0.0.1",
         "kvgate_requests_total{status=\"400\",engine=\"none\"} 1",

@@ -10,8 +10,8 @@ use std::collections::HashSet;
 use anyhow::{anyhow, bail, Context};
 use kvgate_core::hashing::{digest_str, synthetic_tokens};
 use kvgate_core::{
-    Decision, KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, PolicyName, RequestId,
-    RouteRequest, Router, Timestamp, WorkerConfig, WorkerId, BLOCK_SIZE,
+    Decision, KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, PolicyName, RequestId, RouteRequest, Router,
+    Timestamp, WorkerConfig, WorkerId, BLOCK_SIZE,
 };
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 use rand::SeedableRng;
@@ -118,11 +118,7 @@ struct KvInput {
 
 impl Default for KvInput {
     fn default() -> Self {
-        KvInput {
-            state: synced(),
-            reason: None,
-            cached: Vec::new(),
-        }
+        KvInput { state: synced(), reason: None, cached: Vec::new() }
     }
 }
 
@@ -230,8 +226,7 @@ pub fn run(input: &str, seed: u64) -> anyhow::Result<DecideOutput> {
         if !seen.insert(w.id.as_str()) {
             bail!("workers[{i}]: duplicate worker id {:?}", w.id);
         }
-        add_worker(&router, w, &snapshot.defaults, block, now)
-            .with_context(|| format!("workers[{i}] ({:?})", w.id))?;
+        add_worker(&router, w, &snapshot.defaults, block, now).with_context(|| format!("workers[{i}] ({:?})", w.id))?;
     }
 
     let total: u64 = snapshot.requests.iter().map(|r| r.repeat).sum();
@@ -251,9 +246,7 @@ pub fn run(input: &str, seed: u64) -> anyhow::Result<DecideOutput> {
                 prompt_tokens: prompt.len() as u64,
                 max_tokens: r.max_tokens,
             };
-            let decision = router
-                .decide(&route, now, &mut rng)
-                .map_err(|e| anyhow!("requests[{i}]: {e}"))?;
+            let decision = router.decide(&route, now, &mut rng).map_err(|e| anyhow!("requests[{i}]: {e}"))?;
             decisions.push(decision.into());
             next += 1;
         }
@@ -280,29 +273,15 @@ fn policy_config(p: &PolicyInput, d: &Defaults) -> anyhow::Result<PolicyConfig> 
     Ok(cfg)
 }
 
-fn add_worker(
-    router: &Router,
-    w: &WorkerInput,
-    d: &Defaults,
-    block: usize,
-    now: Timestamp,
-) -> anyhow::Result<()> {
+fn add_worker(router: &Router, w: &WorkerInput, d: &Defaults, block: usize, now: Timestamp) -> anyhow::Result<()> {
     if w.id.trim().is_empty() {
         bail!("id must not be empty");
     }
     let mut config = WorkerConfig::new(WorkerId::new(&w.id));
-    config.prefill_tokens_per_s = w
-        .prefill_tokens_per_s
-        .or(d.prefill_tokens_per_s)
-        .unwrap_or(config.prefill_tokens_per_s);
-    config.decode_tokens_per_s = w
-        .decode_tokens_per_s
-        .or(d.decode_tokens_per_s)
-        .unwrap_or(config.decode_tokens_per_s);
-    config.kv_capacity_tokens = w
-        .kv_capacity_tokens
-        .or(d.kv_capacity_tokens)
-        .unwrap_or(config.kv_capacity_tokens);
+    config.prefill_tokens_per_s =
+        w.prefill_tokens_per_s.or(d.prefill_tokens_per_s).unwrap_or(config.prefill_tokens_per_s);
+    config.decode_tokens_per_s = w.decode_tokens_per_s.or(d.decode_tokens_per_s).unwrap_or(config.decode_tokens_per_s);
+    config.kv_capacity_tokens = w.kv_capacity_tokens.or(d.kv_capacity_tokens).unwrap_or(config.kv_capacity_tokens);
     let id = config.id.clone();
     let state = kv_state(&w.kv)?;
     // The state is set before the events so that an untrusted worker still holds its blocks.
@@ -310,16 +289,10 @@ fn add_worker(
     router.set_eligible(&id, w.eligible)?;
     if let Some(load) = &w.load {
         if !(0.0..=1.0).contains(&load.kv_usage) {
-            bail!(
-                "load.kv_usage = {} is out of range: expected a fraction from 0 to 1",
-                load.kv_usage
-            );
+            bail!("load.kv_usage = {} is out of range: expected a fraction from 0 to 1", load.kv_usage);
         }
         if load.age_ms > MAX_AGE_MS {
-            bail!(
-                "load.age_ms = {} is out of range: expected at most {MAX_AGE_MS}",
-                load.age_ms
-            );
+            bail!("load.age_ms = {} is out of range: expected at most {MAX_AGE_MS}", load.age_ms);
         }
         let snapshot = LoadSnapshot {
             waiting_requests: load.waiting_requests,
@@ -333,30 +306,20 @@ fn add_worker(
     }
     for (j, cached) in w.kv.cached.iter().enumerate() {
         if cached.tokens > MAX_CACHED_TOKENS {
-            bail!(
-                "kv.cached[{j}].tokens = {} is out of range: expected at most {MAX_CACHED_TOKENS}",
-                cached.tokens
-            );
+            bail!("kv.cached[{j}].tokens = {} is out of range: expected at most {MAX_CACHED_TOKENS}", cached.tokens);
         }
         let tokens = prefix_tokens(&cached.prefix, cached.tokens as usize);
         let events = stored_events(&w.id, &cached.prefix, &tokens, block);
         let stats = router.apply_kv_events(&id, &events, now)?;
         if stats.dropped > 0 {
-            bail!(
-                "kv.cached[{j}]: {} events were refused by the index",
-                stats.dropped
-            );
+            bail!("kv.cached[{j}]: {} events were refused by the index", stats.dropped);
         }
     }
     Ok(())
 }
 
 fn kv_state(kv: &KvInput) -> anyhow::Result<KvState> {
-    let reason = || {
-        kv.reason
-            .clone()
-            .unwrap_or_else(|| "as given in the fleet snapshot".into())
-    };
+    let reason = || kv.reason.clone().unwrap_or_else(|| "as given in the fleet snapshot".into());
     Ok(match kv.state.as_str() {
         "synced" => KvState::Synced,
         "incomplete" => KvState::Incomplete(reason()),
@@ -374,9 +337,7 @@ fn stored_events(worker: &str, prefix: &str, tokens: &[u32], block: usize) -> Ve
     let mut parent = None;
     for start in (0..blocks).step_by(BLOCKS_PER_EVENT) {
         let end = (start + BLOCKS_PER_EVENT).min(blocks);
-        let hashes: Vec<EngineHash> = (start..end)
-            .map(|b| EngineHash(base.wrapping_add(b as u64)))
-            .collect();
+        let hashes: Vec<EngineHash> = (start..end).map(|b| EngineHash(base.wrapping_add(b as u64))).collect();
         let next_parent = hashes.last().copied();
         events.push(KvEvent::BlockStored(BlockStored {
             block_hashes: hashes,
@@ -410,15 +371,9 @@ fn request_tokens(r: &RequestInput, index: usize) -> anyhow::Result<Vec<u32>> {
     if r.prefix_tokens + r.suffix_tokens == 0 {
         bail!("the request has no tokens: set prefix_tokens or suffix_tokens");
     }
-    let mut tokens = r
-        .prefix
-        .as_deref()
-        .map_or_else(Vec::new, |p| prefix_tokens(p, r.prefix_tokens as usize));
+    let mut tokens = r.prefix.as_deref().map_or_else(Vec::new, |p| prefix_tokens(p, r.prefix_tokens as usize));
     // Suffixes are unique per request entry; repeats of an entry are identical requests.
-    tokens.extend(synthetic_tokens(
-        digest_str(&format!("kvgate-decide-suffix-{index}")),
-        r.suffix_tokens as usize,
-    ));
+    tokens.extend(synthetic_tokens(digest_str(&format!("kvgate-decide-suffix-{index}")), r.suffix_tokens as usize));
     Ok(tokens)
 }
 
@@ -438,12 +393,8 @@ mod tests {
         let tokens = prefix_tokens("p", 16 * 70 + 5);
         let events = stored_events("w", "p", &tokens, 16);
         assert_eq!(events.len(), 3);
-        let KvEvent::BlockStored(second) = &events[1] else {
-            panic!("stored")
-        };
-        let KvEvent::BlockStored(first) = &events[0] else {
-            panic!("stored")
-        };
+        let KvEvent::BlockStored(second) = &events[1] else { panic!("stored") };
+        let KvEvent::BlockStored(first) = &events[0] else { panic!("stored") };
         assert_eq!(second.parent_block_hash, first.block_hashes.last().copied());
     }
 }

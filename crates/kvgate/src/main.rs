@@ -61,18 +61,10 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Decide {
-            file,
-            seed,
-            compact,
-        } => {
+        Command::Decide { file, seed, compact } => {
             let input = read_input(file.as_deref())?;
             let output = decide::run(&input, seed)?;
-            let text = if compact {
-                serde_json::to_string(&output)?
-            } else {
-                serde_json::to_string_pretty(&output)?
-            };
+            let text = if compact { serde_json::to_string(&output)? } else { serde_json::to_string_pretty(&output)? };
             println!("{text}");
             Ok(())
         }
@@ -83,13 +75,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn read_input(file: Option<&std::path::Path>) -> anyhow::Result<String> {
     match file {
-        Some(path) if path.as_os_str() != "-" => std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read fleet snapshot {}", path.display())),
+        Some(path) if path.as_os_str() != "-" => {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read fleet snapshot {}", path.display()))
+        }
         _ => {
             let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("cannot read the fleet snapshot from standard input")?;
+            std::io::stdin().read_to_string(&mut s).context("cannot read the fleet snapshot from standard input")?;
             Ok(s)
         }
     }

@@ -57,12 +57,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVGATE_CHAT_TEMPLATE")]
     chat_template: Option<String>,
     /// Client API key (repeatable); without any, clients are not authenticated.
-    #[arg(
-        long = "api-key",
-        env = "KVGATE_API_KEYS",
-        value_delimiter = ',',
-        hide_env_values = true
-    )]
+    #[arg(long = "api-key", env = "KVGATE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     api_keys: Vec<String>,
     /// Admin API key; without one, /admin is open (a warning is logged).
     #[arg(long, env = "KVGATE_ADMIN_KEY", hide_env_values = true)]
@@ -88,11 +83,9 @@ pub struct ServeArgs {
 }
 
 fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .with_context(|| format!("bad --log filter {filter:?}"))?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(filter).with_context(|| format!("bad --log filter {filter:?}"))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
@@ -144,15 +137,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         shutdown_grace_s: a.shutdown_grace_s,
     };
     let config = GatewayConfig::load(a.config.as_deref(), overrides)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", config.host, config.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+        let listener =
+            tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
         let state = AppState::new(config)?;
         tracing::info!(

@@ -93,12 +93,7 @@ pub struct SimArgs {
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
-    let params = WorkloadParams {
-        workers: a.workers,
-        rate: a.rate,
-        duration_s: a.duration,
-        seed: a.seed,
-    };
+    let params = WorkloadParams { workers: a.workers, rate: a.rate, duration_s: a.duration, seed: a.seed };
     if let Some(rate) = a.rate {
         if !(rate.is_finite() && rate > 0.0) {
             bail!("--rate must be a positive number, got {rate}");
@@ -115,8 +110,7 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
     if a.workers == Some(0) || a.workers.is_some_and(|w| w > 4096) {
         bail!("--workers must be between 1 and 4096");
     }
-    let trace =
-        |default: &str| -> PathBuf { a.trace.clone().unwrap_or_else(|| PathBuf::from(default)) };
+    let trace = |default: &str| -> PathBuf { a.trace.clone().unwrap_or_else(|| PathBuf::from(default)) };
     Ok(match a.scenario.as_str() {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
@@ -132,19 +126,13 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
             a.speedup,
             a.limit,
         )?,
-        other => bail!(
-            "unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, mooncake or azure"
-        ),
+        other => bail!("unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, mooncake or azure"),
     })
 }
 
 fn specs(a: &SimArgs) -> anyhow::Result<Vec<PolicySpec>> {
     if !a.compare.is_empty() {
-        return a
-            .compare
-            .iter()
-            .map(|s| PolicySpec::parse(s.trim()).map_err(Into::into))
-            .collect();
+        return a.compare.iter().map(|s| PolicySpec::parse(s.trim()).map_err(Into::into)).collect();
     }
     let mut spec = PolicySpec::parse(&a.policy)?;
     if let Some(mode) = &a.mode {
@@ -160,10 +148,7 @@ fn specs(a: &SimArgs) -> anyhow::Result<Vec<PolicySpec>> {
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
     let workload = load_workload(&a).context("cannot build the workload")?;
     let profile = EngineProfile::by_name(&a.profile).with_context(|| {
-        format!(
-            "unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)",
-            a.profile
-        )
+        format!("unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)", a.profile)
     })?;
     let mut knobs = PolicyConfig::default();
     knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
@@ -172,19 +157,11 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {
         bail!("--admission-wait-s must be a non-negative number of seconds");
     }
-    let start = workload
-        .requests
-        .iter()
-        .find(|r| r.direct_to.is_none())
-        .map_or(Default::default(), |r| r.arrival);
+    let start = workload.requests.iter().find(|r| r.direct_to.is_none()).map_or(Default::default(), |r| r.arrival);
     let end = workload.requests.last().map_or(start, |r| r.arrival);
     let span = end.saturating_since(start).max(Duration::from_secs(1));
     let target = workload.hot_owner.unwrap_or(0);
-    let faults = a
-        .faults
-        .iter()
-        .map(|f| faults::named(f, target, start, span))
-        .collect::<Result<Vec<_>, _>>()?;
+    let faults = a.faults.iter().map(|f| faults::named(f, target, start, span)).collect::<Result<Vec<_>, _>>()?;
     let mut reports = Vec::new();
     for spec in specs(&a)? {
         let mut cfg = SimConfig::new(profile.clone(), spec, a.seed);
@@ -212,10 +189,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         Format::Json if a.compare.is_empty() => {
             println!("{}", serde_json::to_string_pretty(&reports[0])?)
         }
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?
-        ),
+        Format::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?),
     }
     Ok(())
 }

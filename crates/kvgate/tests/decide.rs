@@ -13,22 +13,13 @@ fn kvgate(args: &[&str], stdin: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn kvgate");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
     child.wait_with_output().unwrap()
 }
 
 fn decide(input: &Value) -> Value {
     let out = kvgate(&["decide", "--compact"], &input.to_string());
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("JSON output")
 }
 
@@ -72,23 +63,9 @@ fn issue_schema_routes_the_hot_request_to_the_idle_peer_with_full_terms() {
     assert_eq!(d["reason"], "cache_and_load");
     assert_eq!(d["load_only_worker"], "w1");
     assert_eq!(d["enforce_worker"], "w1");
-    let owner = d["scores"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["worker"] == "w0")
-        .unwrap();
-    assert_eq!(
-        owner["cached_tokens"], 8192,
-        "the prefix arrived through BlockStored events"
-    );
-    for key in [
-        "projected_s",
-        "wait_s",
-        "decode_s",
-        "prefill_s",
-        "barrier_s",
-    ] {
+    let owner = d["scores"].as_array().unwrap().iter().find(|s| s["worker"] == "w0").unwrap();
+    assert_eq!(owner["cached_tokens"], 8192, "the prefix arrived through BlockStored events");
+    for key in ["projected_s", "wait_s", "decode_s", "prefill_s", "barrier_s"] {
         assert!(owner[key].is_f64(), "{key} in {owner}");
     }
     assert!((owner["wait_s"].as_f64().unwrap() - 45.78).abs() < 1e-9);
@@ -97,35 +74,18 @@ fn issue_schema_routes_the_hot_request_to_the_idle_peer_with_full_terms() {
 #[test]
 fn bundled_incident_example_spreads_hot_requests_over_idle_peers() {
     let out = kvgate(&["decide", &example_path("incident-51.json")], "");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let decisions = v["decisions"].as_array().unwrap();
     assert_eq!(decisions.len(), 8);
-    let mut workers: Vec<&str> = decisions
-        .iter()
-        .map(|d| d["worker"].as_str().unwrap())
-        .collect();
-    assert!(
-        !workers.contains(&"w0") && !workers.contains(&"w50"),
-        "{workers:?}"
-    );
+    let mut workers: Vec<&str> = decisions.iter().map(|d| d["worker"].as_str().unwrap()).collect();
+    assert!(!workers.contains(&"w0") && !workers.contains(&"w50"), "{workers:?}");
     workers.sort();
     workers.dedup();
-    assert_eq!(
-        workers.len(),
-        8,
-        "eight simultaneous identical requests, eight workers"
-    );
+    assert_eq!(workers.len(), 8, "eight simultaneous identical requests, eight workers");
     for d in decisions {
         let scores = d["scores"].as_array().unwrap();
-        assert!(
-            scores.len() == 16 || scores.len() == 17,
-            "best 16 plus the load-only winner"
-        );
+        assert!(scores.len() == 16 || scores.len() == 17, "best 16 plus the load-only winner");
         assert!(scores.iter().any(|s| s["worker"] == d["load_only_worker"]));
     }
 }
@@ -134,28 +94,17 @@ fn bundled_incident_example_spreads_hot_requests_over_idle_peers() {
 fn repeat_makes_simultaneous_requests_that_see_each_other() {
     let mut input = issue_schema();
     input["workers"][1] = json!({"id": "w1", "load": {}});
-    input["workers"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"id": "w2", "load": {}}));
+    input["workers"].as_array_mut().unwrap().push(json!({"id": "w2", "load": {}}));
     input["requests"][0]["repeat"] = json!(2);
     let out = decide(&input);
-    let w: Vec<&str> = out["decisions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["worker"].as_str().unwrap())
-        .collect();
+    let w: Vec<&str> = out["decisions"].as_array().unwrap().iter().map(|d| d["worker"].as_str().unwrap()).collect();
     assert_eq!(w.len(), 2);
     assert_ne!(w[0], w[1]);
 }
 
 #[test]
 fn shadow_mode_dispatches_load_only_and_records_enforce() {
-    let out = kvgate(
-        &["decide", "--compact", &example_path("shadow-small.json")],
-        "",
-    );
+    let out = kvgate(&["decide", "--compact", &example_path("shadow-small.json")], "");
     assert!(out.status.success());
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let d = &v["decisions"][0];
@@ -177,10 +126,7 @@ fn missing_and_invalid_telemetry_are_reported_as_fallbacks() {
     assert_eq!(decide(&input)["decisions"][0]["reason"], "fallback:stale");
     input["workers"][0]["load"] = json!({"waiting_tokens": 1000, "age_ms": 40});
     let d = &decide(&input)["decisions"][0];
-    assert_eq!(
-        (d["worker"].as_str(), d["reason"].as_str()),
-        (Some("w0"), Some("cache_and_load"))
-    );
+    assert_eq!((d["worker"].as_str(), d["reason"].as_str()), (Some("w0"), Some("cache_and_load")));
 }
 
 #[test]
@@ -195,14 +141,10 @@ fn malformed_input_is_rejected_with_a_message_naming_the_problem() {
     let mut knob = issue_schema();
     knob["policy"]["escape_seconds"] = json!(-2.0);
     let err = decide_err(&knob.to_string());
-    assert!(
-        err.contains("escape_seconds") && err.contains("0 to 3600"),
-        "{err}"
-    );
+    assert!(err.contains("escape_seconds") && err.contains("0 to 3600"), "{err}");
     let mut seeding = issue_schema();
     seeding["policy"]["distribution_seeding"] = json!(true);
-    assert!(decide_err(&seeding.to_string())
-        .contains("distribution_seeding belongs to the cache_aware policy"));
+    assert!(decide_err(&seeding.to_string()).contains("distribution_seeding belongs to the cache_aware policy"));
     let mut dup = issue_schema();
     dup["workers"][1]["id"] = json!("w0");
     assert!(decide_err(&dup.to_string()).contains("duplicate worker id"));
@@ -227,9 +169,7 @@ fn malformed_input_is_rejected_with_a_message_naming_the_problem() {
     let mut nothing = issue_schema();
     nothing["requests"][0] = json!({});
     assert!(decide_err(&nothing.to_string()).contains("no tokens"));
-    assert!(kvgate(&["decide", "/nonexistent/fleet.json"], "")
-        .stderr
-        .starts_with(b"kvgate: cannot read"));
+    assert!(kvgate(&["decide", "/nonexistent/fleet.json"], "").stderr.starts_with(b"kvgate: cannot read"));
 }
 
 #[test]
@@ -242,11 +182,7 @@ fn no_eligible_worker_is_an_error_not_a_panic() {
 
 #[test]
 fn routing_doc_lists_every_knob_with_its_code_bounds() {
-    let doc = std::fs::read_to_string(format!(
-        "{}/../../docs/routing.md",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .unwrap();
+    let doc = std::fs::read_to_string(format!("{}/../../docs/routing.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let mut knobs = kvgate_core::policy::KNOBS.to_vec();
     knobs.extend([
         kvgate_core::BLOCK_SIZE,
@@ -256,29 +192,17 @@ fn routing_doc_lists_every_knob_with_its_code_bounds() {
     ]);
     for k in knobs {
         let row = format!("| `{}` | {} | {} | {} |", k.name, k.min, k.max, k.default);
-        assert!(
-            doc.contains(&row),
-            "docs/routing.md lacks the row starting {row}"
-        );
+        assert!(doc.contains(&row), "docs/routing.md lacks the row starting {row}");
     }
 }
 
 #[test]
 fn decide_doc_input_example_runs_as_documented() {
-    let doc = std::fs::read_to_string(format!(
-        "{}/../../docs/decide.md",
-        env!("CARGO_MANIFEST_DIR")
-    ))
-    .unwrap();
+    let doc = std::fs::read_to_string(format!("{}/../../docs/decide.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let start = doc.find("```json\n").expect("an input example") + "```json\n".len();
     let end = start + doc[start..].find("```").unwrap();
-    let input: Value =
-        serde_json::from_str(&doc[start..end]).expect("the documented input is valid JSON");
-    assert_eq!(
-        input,
-        issue_schema(),
-        "the doc shows the schema the tests use"
-    );
+    let input: Value = serde_json::from_str(&doc[start..end]).expect("the documented input is valid JSON");
+    assert_eq!(input, issue_schema(), "the doc shows the schema the tests use");
     let out = decide(&input);
     assert_eq!(out["decisions"][0]["worker"], "w1");
     assert_eq!(out["decisions"][0]["scores"][0]["projected_s"], 0.4196);

@@ -5,50 +5,20 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn kvgate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(args)
-        .output()
-        .expect("spawn kvgate")
+    Command::new(env!("CARGO_BIN_EXE_kvgate")).args(args).output().expect("spawn kvgate")
 }
 
 fn ok_json(args: &[&str]) -> Value {
     let out = kvgate(args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("JSON")
 }
 
-const SMALL: &[&str] = &[
-    "sim",
-    "--scenario",
-    "multi-prefix",
-    "--rate",
-    "20",
-    "--duration",
-    "5",
-    "--workers",
-    "4",
-];
+const SMALL: &[&str] = &["sim", "--scenario", "multi-prefix", "--rate", "20", "--duration", "5", "--workers", "4"];
 
 #[test]
 fn json_report_has_the_documented_keys() {
-    let r = ok_json(
-        &[
-            SMALL,
-            &[
-                "--policy",
-                "projected",
-                "--mode",
-                "shadow",
-                "--format",
-                "json",
-            ],
-        ]
-        .concat(),
-    );
+    let r = ok_json(&[SMALL, &["--policy", "projected", "--mode", "shadow", "--format", "json"]].concat());
     for path in [
         "/scenario",
         "/policy",
@@ -81,48 +51,21 @@ fn json_report_has_the_documented_keys() {
 
 #[test]
 fn compare_runs_every_entry_on_identical_arrivals() {
-    let r = ok_json(
-        &[
-            SMALL,
-            &[
-                "--compare",
-                "round_robin,projected:off,projected:enforce",
-                "--format",
-                "json",
-            ],
-        ]
-        .concat(),
-    );
+    let r =
+        ok_json(&[SMALL, &["--compare", "round_robin,projected:off,projected:enforce", "--format", "json"]].concat());
     let runs = r["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 3);
-    assert!(runs
-        .iter()
-        .all(|x| x["requests"]["total"] == runs[0]["requests"]["total"]));
+    assert!(runs.iter().all(|x| x["requests"]["total"] == runs[0]["requests"]["total"]));
     assert_eq!(runs[1]["mode"], "off");
     let table = kvgate(&[SMALL, &["--compare", "least_load,projected"]].concat());
     let text = String::from_utf8_lossy(&table.stdout);
-    assert!(
-        text.contains("least_load") && text.contains("projected:enforce"),
-        "{text}"
-    );
+    assert!(text.contains("least_load") && text.contains("projected:enforce"), "{text}");
 }
 
 #[test]
 fn same_seed_same_output_byte_for_byte() {
-    let a = kvgate(
-        &[
-            SMALL,
-            &["--format", "json", "--seed", "3", "--fault", "kv-loss"],
-        ]
-        .concat(),
-    );
-    let b = kvgate(
-        &[
-            SMALL,
-            &["--format", "json", "--seed", "3", "--fault", "kv-loss"],
-        ]
-        .concat(),
-    );
+    let a = kvgate(&[SMALL, &["--format", "json", "--seed", "3", "--fault", "kv-loss"]].concat());
+    let b = kvgate(&[SMALL, &["--format", "json", "--seed", "3", "--fault", "kv-loss"]].concat());
     assert!(a.status.success());
     assert_eq!(a.stdout, b.stdout);
 }
@@ -132,23 +75,8 @@ fn plot_writes_an_svg() {
     let dir = std::env::temp_dir().join(format!("kvgate-plot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("runs.svg");
-    let out = kvgate(
-        &[
-            SMALL,
-            &[
-                "--compare",
-                "least_load,projected",
-                "--plot",
-                path.to_str().unwrap(),
-            ],
-        ]
-        .concat(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = kvgate(&[SMALL, &["--compare", "least_load,projected", "--plot", path.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let svg = std::fs::read_to_string(&path).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("projected:enforce") && svg.contains("<path"));
     std::fs::remove_dir_all(dir).ok();
@@ -159,26 +87,14 @@ fn bad_flags_are_rejected_with_a_message() {
     for (args, needle) in [
         (vec!["sim", "--policy", "fastest"], "unknown policy"),
         (vec!["sim", "--policy", "least_load:enforce"], "no modes"),
-        (
-            vec!["sim", "--policy", "round_robin", "--mode", "shadow"],
-            "--mode applies",
-        ),
+        (vec!["sim", "--policy", "round_robin", "--mode", "shadow"], "--mode applies"),
         (vec!["sim", "--scenario", "nope"], "unknown scenario"),
         (vec!["sim", "--fault", "meteor"], "unknown fault"),
         (vec!["sim", "--rate=-3"], "--rate"),
         (vec!["sim", "--workers", "0"], "--workers"),
         (vec!["sim", "--escape-seconds=-1"], "escape_seconds"),
         (vec!["sim", "--profile", "tpu"], "unknown profile"),
-        (
-            vec![
-                "sim",
-                "--scenario",
-                "mooncake",
-                "--trace",
-                "/nonexistent.jsonl",
-            ],
-            "nonexistent",
-        ),
+        (vec!["sim", "--scenario", "mooncake", "--trace", "/nonexistent.jsonl"], "nonexistent"),
     ] {
         let out = kvgate(&args);
         let err = String::from_utf8_lossy(&out.stderr);

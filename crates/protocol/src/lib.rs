@@ -18,6 +18,5 @@ pub mod kv_events;
 pub mod telemetry;
 
 pub use kv_events::{
-    is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent,
-    KvEventBatch,
+    is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent, KvEventBatch,
 };

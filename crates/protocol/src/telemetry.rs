@@ -61,8 +61,7 @@ fn sum_opt<T: std::ops::Add<Output = T> + Copy>(a: Option<T>, b: Option<T>) -> O
 
 /// Parses SGLang's `GET /v1/loads` JSON.
 pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
-    let parsed: LoadsBody =
-        serde_json::from_slice(body).map_err(|e| TelemetryError::Json(e.to_string()))?;
+    let parsed: LoadsBody = serde_json::from_slice(body).map_err(|e| TelemetryError::Json(e.to_string()))?;
     if parsed.loads.is_empty() {
         return Err(TelemetryError::Json("`loads` is empty".into()));
     }
@@ -71,8 +70,7 @@ pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
     for r in &parsed.loads {
         out.waiting_requests += r.num_waiting_reqs;
         out.running_requests += r.num_running_reqs;
-        out.waiting_uncached_tokens =
-            sum_opt(out.waiting_uncached_tokens, r.num_waiting_uncached_tokens);
+        out.waiting_uncached_tokens = sum_opt(out.waiting_uncached_tokens, r.num_waiting_uncached_tokens);
         out.active_tokens = sum_opt(out.active_tokens, r.num_active_tokens);
         out.gen_throughput = sum_opt(out.gen_throughput, r.gen_throughput);
         usage.extend(r.token_usage);
@@ -102,11 +100,7 @@ pub fn parse_prometheus(text: &str) -> Result<EngineLoad, TelemetryError> {
             Some(r) => r.split_once('}').map_or("", |(_, v)| v),
             None => &line[name_end..],
         };
-        let Some(value) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
+        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
             continue;
         };
         if !value.is_finite() || value < 0.0 {
@@ -122,12 +116,8 @@ pub fn parse_prometheus(text: &str) -> Result<EngineLoad, TelemetryError> {
                 known = true;
             }
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => usage.push(value),
-            "sglang:gen_throughput" => {
-                out.gen_throughput = sum_opt(out.gen_throughput, Some(value))
-            }
-            "sglang:num_waiting_uncached_tokens" => {
-                uncached = sum_opt(uncached, Some(value as u64))
-            }
+            "sglang:gen_throughput" => out.gen_throughput = sum_opt(out.gen_throughput, Some(value)),
+            "sglang:num_waiting_uncached_tokens" => uncached = sum_opt(uncached, Some(value as u64)),
             _ => {}
         }
     }
@@ -185,17 +175,8 @@ mod tests {
         assert!((l.kv_usage.unwrap() - 0.6).abs() < 1e-12);
         let sglang = "sglang:num_running_reqs{model_name=\"M\",tp_rank=\"0\"} 4\nsglang:num_queue_reqs 2\nsglang:token_usage 0.25\n";
         let l = parse_prometheus(sglang).unwrap();
-        assert_eq!(
-            (l.running_requests, l.waiting_requests, l.kv_usage),
-            (4, 2, Some(0.25))
-        );
-        assert_eq!(
-            parse_prometheus("up 1\n"),
-            Err(TelemetryError::NoKnownSeries)
-        );
-        assert!(parse_prometheus(
-            "vllm:num_requests_running{engine=\"0\"} NaN\nvllm:num_requests_waiting 1\n"
-        )
-        .is_ok());
+        assert_eq!((l.running_requests, l.waiting_requests, l.kv_usage), (4, 2, Some(0.25)));
+        assert_eq!(parse_prometheus("up 1\n"), Err(TelemetryError::NoKnownSeries));
+        assert!(parse_prometheus("vllm:num_requests_running{engine=\"0\"} NaN\nvllm:num_requests_waiting 1\n").is_ok());
     }
 }

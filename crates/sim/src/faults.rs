@@ -54,48 +54,20 @@ pub enum Fault {
 }
 
 /// Fault names the CLI accepts.
-pub const FAULT_NAMES: &[&str] = &[
-    "kv-delay",
-    "kv-loss",
-    "kv-loss-no-replay",
-    "disconnect",
-    "restart",
-    "stale-telemetry",
-];
+pub const FAULT_NAMES: &[&str] =
+    &["kv-delay", "kv-loss", "kv-loss-no-replay", "disconnect", "restart", "stale-telemetry"];
 
 /// Builds a named fault for a run whose traffic starts at `start` and lasts `span`; `target` is the
 /// engine the fault hits (the hot owner where the scenario has one).
-pub fn named(
-    name: &str,
-    target: usize,
-    start: Timestamp,
-    span: Duration,
-) -> Result<Fault, SimError> {
+pub fn named(name: &str, target: usize, start: Timestamp, span: Duration) -> Result<Fault, SimError> {
     let at = start.saturating_add(span / 3);
     Ok(match name {
-        "kv-delay" => Fault::KvDelay {
-            extra: Duration::from_millis(500),
-            jitter: Duration::from_millis(200),
-        },
-        "kv-loss" => Fault::KvLoss {
-            probability: 0.2,
-            replay: true,
-        },
-        "kv-loss-no-replay" => Fault::KvLoss {
-            probability: 0.2,
-            replay: false,
-        },
-        "disconnect" => Fault::Disconnect {
-            worker: target,
-            at,
-            duration: span / 3,
-        },
+        "kv-delay" => Fault::KvDelay { extra: Duration::from_millis(500), jitter: Duration::from_millis(200) },
+        "kv-loss" => Fault::KvLoss { probability: 0.2, replay: true },
+        "kv-loss-no-replay" => Fault::KvLoss { probability: 0.2, replay: false },
+        "disconnect" => Fault::Disconnect { worker: target, at, duration: span / 3 },
         "restart" => Fault::Restart { worker: target, at },
-        "stale-telemetry" => Fault::StaleTelemetry {
-            worker: target,
-            from: at,
-            until: at.saturating_add(span / 3),
-        },
+        "stale-telemetry" => Fault::StaleTelemetry { worker: target, from: at, until: at.saturating_add(span / 3) },
         other => {
             return Err(SimError::Config(format!(
                 "unknown fault {other:?}: expected one of {}",

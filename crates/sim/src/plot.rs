@@ -17,19 +17,18 @@ pub fn svg(reports: &[Report]) -> String {
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     );
-    let max_t = reports
-        .iter()
-        .flat_map(|r| r.timeline.last().map(|(t, _)| *t))
-        .fold(1.0, f64::max);
-    let max_q = reports
-        .iter()
-        .flat_map(|r| r.timeline.iter().flat_map(|(_, d)| d.iter().copied()))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
+    let max_t = reports.iter().flat_map(|r| r.timeline.last().map(|(t, _)| *t)).fold(1.0, f64::max);
+    let max_q =
+        reports.iter().flat_map(|r| r.timeline.iter().flat_map(|(_, d)| d.iter().copied())).max().unwrap_or(1).max(1)
+            as f64;
     for (p, r) in reports.iter().enumerate() {
         let top = MARGIN + p as f64 * (PANEL_H + MARGIN);
-        let _ = writeln!(s, "<text x=\"{MARGIN}\" y=\"{}\">{} — waiting requests per engine over time (max {max_q})</text>", top - 8.0, r.label());
+        let _ = writeln!(
+            s,
+            "<text x=\"{MARGIN}\" y=\"{}\">{} — waiting requests per engine over time (max {max_q})</text>",
+            top - 8.0,
+            r.label()
+        );
         axes(&mut s, top, "s", max_t);
         let engines = r.timeline.first().map_or(0, |(_, d)| d.len());
         for e in 0..engines {
@@ -45,14 +44,15 @@ pub fn svg(reports: &[Report]) -> String {
     }
     let top = MARGIN + panels * (PANEL_H + MARGIN);
     let max_ttft = reports.iter().map(|r| r.ttft_s.p99).fold(0.001, f64::max);
-    let _ = writeln!(s, "<text x=\"{MARGIN}\" y=\"{}\">TTFT p50 / p90 / p99 per policy, seconds (max {max_ttft:.2})</text>", top - 8.0);
+    let _ = writeln!(
+        s,
+        "<text x=\"{MARGIN}\" y=\"{}\">TTFT p50 / p90 / p99 per policy, seconds (max {max_ttft:.2})</text>",
+        top - 8.0
+    );
     axes(&mut s, top, "", 0.0);
     let slot = PANEL_W / reports.len().max(1) as f64;
     for (i, r) in reports.iter().enumerate() {
-        for (j, (v, shade)) in [(r.ttft_s.p50, 75), (r.ttft_s.p90, 55), (r.ttft_s.p99, 35)]
-            .into_iter()
-            .enumerate()
-        {
+        for (j, (v, shade)) in [(r.ttft_s.p50, 75), (r.ttft_s.p90, 55), (r.ttft_s.p99, 35)].into_iter().enumerate() {
             let h = v / max_ttft * PANEL_H;
             let x = MARGIN + i as f64 * slot + 4.0 + j as f64 * (slot - 8.0) / 3.0;
             let _ = writeln!(

@@ -61,21 +61,13 @@ impl Recorder {
     /// A recorder for `workload` under `cfg`.
     pub fn new(workload: &Workload, cfg: &SimConfig) -> Self {
         let n = workload.requests.len();
-        let measured: Vec<bool> = workload
-            .requests
-            .iter()
-            .map(|r| r.direct_to.is_none())
-            .collect();
+        let measured: Vec<bool> = workload.requests.iter().map(|r| r.direct_to.is_none()).collect();
         let open = measured.iter().filter(|m| **m).count();
         Recorder {
             scenario: workload.name.clone(),
             policy: cfg.policy.name.clone(),
-            mode: (cfg.policy.name == "projected").then(|| {
-                cfg.policy
-                    .mode
-                    .unwrap_or(kvgate_core::Mode::Enforce)
-                    .to_string()
-            }),
+            mode: (cfg.policy.name == "projected")
+                .then(|| cfg.policy.mode.unwrap_or(kvgate_core::Mode::Enforce).to_string()),
             seed: cfg.seed,
             arrivals: workload.requests.iter().map(|r| r.arrival).collect(),
             hot: workload.requests.iter().map(|r| r.hot).collect(),
@@ -102,10 +94,7 @@ impl Recorder {
     }
 
     fn close(&mut self, i: usize) {
-        if self.measured[i]
-            && self.records[i].outcome.is_none()
-            && self.records[i].finished.is_none()
-        {
+        if self.measured[i] && self.records[i].outcome.is_none() && self.records[i].finished.is_none() {
             self.open -= 1;
         }
     }
@@ -185,67 +174,25 @@ impl Recorder {
 
     /// The report of the finished run.
     pub fn finish(self, _end: Timestamp) -> Report {
-        let measured: Vec<usize> = (0..self.records.len())
-            .filter(|&i| self.measured[i])
-            .collect();
-        let completed: Vec<usize> = measured
-            .iter()
-            .copied()
-            .filter(|&i| self.records[i].finished.is_some())
-            .collect();
-        let count = |o: Outcome| {
-            measured
-                .iter()
-                .filter(|&&i| self.records[i].outcome == Some(o))
-                .count() as u64
-        };
+        let measured: Vec<usize> = (0..self.records.len()).filter(|&i| self.measured[i]).collect();
+        let completed: Vec<usize> = measured.iter().copied().filter(|&i| self.records[i].finished.is_some()).collect();
+        let count = |o: Outcome| measured.iter().filter(|&&i| self.records[i].outcome == Some(o)).count() as u64;
         let secs = |a: Timestamp, b: Timestamp| b.saturating_since(a).as_secs_f64();
-        let mut ttft: Vec<f64> = measured
-            .iter()
-            .filter_map(|&i| {
-                self.records[i]
-                    .first_token
-                    .map(|t| secs(self.arrivals[i], t))
-            })
-            .collect();
-        let mut e2e: Vec<f64> = completed
-            .iter()
-            .map(|&i| secs(self.arrivals[i], self.records[i].finished.unwrap()))
-            .collect();
-        let first_arrival = measured
-            .iter()
-            .map(|&i| self.arrivals[i])
-            .min()
-            .unwrap_or_default();
-        let last_finish = completed
-            .iter()
-            .filter_map(|&i| self.records[i].finished)
-            .max()
-            .unwrap_or(first_arrival);
+        let mut ttft: Vec<f64> =
+            measured.iter().filter_map(|&i| self.records[i].first_token.map(|t| secs(self.arrivals[i], t))).collect();
+        let mut e2e: Vec<f64> =
+            completed.iter().map(|&i| secs(self.arrivals[i], self.records[i].finished.unwrap())).collect();
+        let first_arrival = measured.iter().map(|&i| self.arrivals[i]).min().unwrap_or_default();
+        let last_finish = completed.iter().filter_map(|&i| self.records[i].finished).max().unwrap_or(first_arrival);
         let span = secs(first_arrival, last_finish).max(1e-9);
-        let output: u64 = completed
-            .iter()
-            .map(|&i| self.records[i].output_tokens)
-            .sum();
-        let prompt: u64 = completed
-            .iter()
-            .map(|&i| self.records[i].prompt_tokens)
-            .sum();
-        let cached: u64 = completed
-            .iter()
-            .map(|&i| self.records[i].cached_tokens)
-            .sum();
-        let hot: Vec<usize> = measured
-            .iter()
-            .copied()
-            .filter(|&i| self.hot[i] && self.records[i].decided.is_some())
-            .collect();
+        let output: u64 = completed.iter().map(|&i| self.records[i].output_tokens).sum();
+        let prompt: u64 = completed.iter().map(|&i| self.records[i].prompt_tokens).sum();
+        let cached: u64 = completed.iter().map(|&i| self.records[i].cached_tokens).sum();
+        let hot: Vec<usize> =
+            measured.iter().copied().filter(|&i| self.hot[i] && self.records[i].decided.is_some()).collect();
         let owner_share = match (self.hot_owner, hot.len()) {
             (Some(owner), n) if n > 0 => {
-                hot.iter()
-                    .filter(|&&i| self.records[i].decided == Some(owner))
-                    .count() as f64
-                    / n as f64
+                hot.iter().filter(|&&i| self.records[i].decided == Some(owner)).count() as f64 / n as f64
             }
             _ => 0.0,
         };
@@ -265,21 +212,10 @@ impl Recorder {
                 output_tokens_per_s: round(output as f64 / span),
                 requests_per_s: round(completed.len() as f64 / span),
             },
-            ttft_s: Percentiles3 {
-                p50: pct(&mut ttft, 0.50),
-                p90: pct(&mut ttft, 0.90),
-                p99: pct(&mut ttft, 0.99),
-            },
-            e2e_s: Percentiles2 {
-                p50: pct(&mut e2e, 0.50),
-                p99: pct(&mut e2e, 0.99),
-            },
+            ttft_s: Percentiles3 { p50: pct(&mut ttft, 0.50), p90: pct(&mut ttft, 0.90), p99: pct(&mut ttft, 0.99) },
+            e2e_s: Percentiles2 { p50: pct(&mut e2e, 0.50), p99: pct(&mut e2e, 0.99) },
             cache: Cache {
-                hit_rate: round(if prompt == 0 {
-                    0.0
-                } else {
-                    cached as f64 / prompt as f64
-                }),
+                hit_rate: round(if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }),
                 prompt_tokens: prompt,
                 prefill_tokens_computed: prompt - cached,
             },
@@ -295,10 +231,7 @@ impl Recorder {
                 owner_share: round(owner_share),
                 requests: hot.len() as u64,
             },
-            shadow: Shadow {
-                decisions: self.shadow_decisions,
-                disagreements: self.shadow_disagreements,
-            },
+            shadow: Shadow { decisions: self.shadow_decisions, disagreements: self.shadow_disagreements },
             decisions_by_reason: self.reasons,
             kv: KvStats {
                 gaps: self.kv_gaps,

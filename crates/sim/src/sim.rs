@@ -143,9 +143,7 @@ impl<'w> Simulation<'w> {
     /// Prepares a run of `workload` under `cfg`.
     pub fn new(workload: &'w Workload, cfg: SimConfig) -> Result<Self, SimError> {
         if workload.workers == 0 {
-            return Err(SimError::Config(
-                "the fleet needs at least one engine".into(),
-            ));
+            return Err(SimError::Config("the fleet needs at least one engine".into()));
         }
         let p = &cfg.profile;
         let fleet = FleetInfo {
@@ -155,32 +153,17 @@ impl<'w> Simulation<'w> {
             decode_tokens_per_s: p.decode_tokens_per_s(64, 4096),
             kv_capacity_tokens: p.kv_capacity_tokens,
         };
-        let view = vec![
-            WorkerView {
-                healthy: true,
-                ..WorkerView::default()
-            };
-            workload.workers
-        ];
+        let view = vec![WorkerView { healthy: true, ..WorkerView::default() }; workload.workers];
         if cfg.replicas == 0 || cfg.replicas > 64 {
-            return Err(SimError::Config(format!(
-                "replicas must be between 1 and 64, got {}",
-                cfg.replicas
-            )));
+            return Err(SimError::Config(format!("replicas must be between 1 and 64, got {}", cfg.replicas)));
         }
         let replicas = (0..cfg.replicas)
-            .map(|_| {
-                Ok(Replica {
-                    policy: policy::build(&cfg.policy, &fleet, &cfg.knobs)?,
-                    view: view.clone(),
-                })
-            })
+            .map(|_| Ok(Replica { policy: policy::build(&cfg.policy, &fleet, &cfg.knobs)?, view: view.clone() }))
             .collect::<Result<Vec<_>, SimError>>()?;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let hosts = (0..workload.workers)
             .map(|_| Host {
-                engine: Engine::new(cfg.profile.clone(), rng.random())
-                    .with_replay_buffer(cfg.replay_buffer),
+                engine: Engine::new(cfg.profile.clone(), rng.random()).with_replay_buffer(cfg.replay_buffer),
                 epoch: 0,
                 stepping: false,
                 connected: true,
@@ -192,22 +175,16 @@ impl<'w> Simulation<'w> {
                 last_delivery: Timestamp::ZERO,
             })
             .collect();
-        let (mut kv_extra, mut kv_jitter, mut kv_loss, mut replay) =
-            (Duration::ZERO, Duration::ZERO, 0.0, true);
+        let (mut kv_extra, mut kv_jitter, mut kv_loss, mut replay) = (Duration::ZERO, Duration::ZERO, 0.0, true);
         for f in &cfg.faults {
             match *f {
                 Fault::KvDelay { extra, jitter } => {
                     kv_extra = extra;
                     kv_jitter = jitter;
                 }
-                Fault::KvLoss {
-                    probability,
-                    replay: r,
-                } => {
+                Fault::KvLoss { probability, replay: r } => {
                     if !(0.0..=1.0).contains(&probability) {
-                        return Err(SimError::Config(format!(
-                            "kv loss probability {probability} is not in 0..1"
-                        )));
+                        return Err(SimError::Config(format!("kv loss probability {probability} is not in 0..1")));
                     }
                     kv_loss = probability;
                     replay = r;
@@ -258,17 +235,9 @@ impl<'w> Simulation<'w> {
         }
         for f in self.cfg.faults.clone() {
             match f {
-                Fault::Disconnect {
-                    worker,
-                    at,
-                    duration,
-                } => self.queue.push(at, Ev::Disconnect(worker, duration)),
+                Fault::Disconnect { worker, at, duration } => self.queue.push(at, Ev::Disconnect(worker, duration)),
                 Fault::Restart { worker, at } => self.queue.push(at, Ev::Restart(worker)),
-                Fault::StaleTelemetry {
-                    worker,
-                    from,
-                    until,
-                } => {
+                Fault::StaleTelemetry { worker, from, until } => {
                     self.hosts[worker].polls_fail_from = Some(from);
                     self.hosts[worker].polls_fail_until = Some(until);
                 }
@@ -278,11 +247,7 @@ impl<'w> Simulation<'w> {
         if self.cfg.timeline.is_some() {
             self.queue.push(Timestamp::ZERO, Ev::Sample);
         }
-        let last_arrival = self
-            .workload
-            .requests
-            .last()
-            .map_or(Timestamp::ZERO, |r| r.arrival);
+        let last_arrival = self.workload.requests.last().map_or(Timestamp::ZERO, |r| r.arrival);
         let stop = last_arrival.saturating_add(self.cfg.drain);
         let mut now = Timestamp::ZERO;
         while let Some((at, ev)) = self.queue.pop() {
@@ -318,10 +283,7 @@ impl<'w> Simulation<'w> {
             Ev::Disconnect(w, duration) => self.disconnect(w, duration, now),
             Ev::Reconnect(w) => {
                 self.hosts[w].connected = true;
-                self.queue.push(
-                    now.saturating_add(self.cfg.health_detect),
-                    Ev::Health(w, true),
-                );
+                self.queue.push(now.saturating_add(self.cfg.health_detect), Ev::Health(w, true));
             }
             Ev::Health(w, healthy) => {
                 if self.hosts[w].connected == healthy {
@@ -335,11 +297,7 @@ impl<'w> Simulation<'w> {
             }
             Ev::Restart(w) => self.restart(w, now),
             Ev::Sample => {
-                let depths = self
-                    .hosts
-                    .iter()
-                    .map(|h| h.engine.waiting_len() as u32)
-                    .collect();
+                let depths = self.hosts.iter().map(|h| h.engine.waiting_len() as u32).collect();
                 self.rec.sample(now, depths);
                 if let Some(every) = self.cfg.timeline {
                     if !self.rec.all_done() {
@@ -356,26 +314,15 @@ impl<'w> Simulation<'w> {
         if let Some(w) = req.direct_to {
             let id = RequestId(self.next_background);
             self.next_background += 1;
-            self.submit(
-                w,
-                EngineRequest {
-                    id,
-                    tokens,
-                    output_tokens: req.output_tokens,
-                },
-                now,
-            );
+            self.submit(w, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
             return;
         }
         let id = RequestId(i as u64);
-        let keys = self
-            .hasher
-            .prompt_keys(Namespace::DEFAULT, &tokens, self.fleet_block);
+        let keys = self.hasher.prompt_keys(Namespace::DEFAULT, &tokens, self.fleet_block);
         let page_keys: Vec<BlockKey> = if self.fleet_block == policy::approx::PAGE_TOKENS {
             keys.clone()
         } else {
-            self.hasher
-                .prompt_keys(Namespace::DEFAULT, &tokens, policy::approx::PAGE_TOKENS)
+            self.hasher.prompt_keys(Namespace::DEFAULT, &tokens, policy::approx::PAGE_TOKENS)
         };
         let preq = PolicyRequest {
             id,
@@ -385,11 +332,7 @@ impl<'w> Simulation<'w> {
             max_tokens: req.output_tokens as u64,
         };
         // Replicas sit behind one Service that spreads requests over them at random.
-        let replica = if self.replicas.len() > 1 {
-            self.rng.random_range(0..self.replicas.len())
-        } else {
-            0
-        };
+        let replica = if self.replicas.len() > 1 { self.rng.random_range(0..self.replicas.len()) } else { 0 };
         // A connect failure marks the engine down at once and the request is decided again, as the
         // gateway retries before any byte was streamed.
         let pick = loop {
@@ -412,9 +355,7 @@ impl<'w> Simulation<'w> {
         if pick.cached_tokens.unwrap_or(0) > 0 && self.untrusted(pick.worker, now) {
             self.rec.credit_while_untrusted();
         }
-        if self.cfg.admission_wait_s > 0.0
-            && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s
-        {
+        if self.cfg.admission_wait_s > 0.0 && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s {
             self.replicas[replica].policy.on_finish(id, now);
             self.rec.outcome(i, Outcome::Rejected, now);
             return;
@@ -424,24 +365,9 @@ impl<'w> Simulation<'w> {
         v.routed += 1;
         v.sent_requests_since_poll += 1;
         v.sent_tokens_since_poll += tokens.len() as u64;
-        self.in_flight.insert(
-            id,
-            InFlight {
-                worker: pick.worker,
-                request: i,
-                replica,
-            },
-        );
+        self.in_flight.insert(id, InFlight { worker: pick.worker, request: i, replica });
         self.rec.dispatched(i, pick.worker);
-        self.submit(
-            pick.worker,
-            EngineRequest {
-                id,
-                tokens,
-                output_tokens: req.output_tokens,
-            },
-            now,
-        );
+        self.submit(pick.worker, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
     }
 
     /// The admission estimate, the same for every policy: reported queue plus what was sent since,
@@ -449,9 +375,7 @@ impl<'w> Simulation<'w> {
     fn projected_wait_s(&self, replica: usize, w: usize) -> f64 {
         let v = &self.replicas[replica].view[w];
         let p = &self.cfg.profile;
-        let (queued, decode) = v
-            .snapshot
-            .map_or((0, 0), |s| (s.waiting_tokens, s.active_decode_tokens));
+        let (queued, decode) = v.snapshot.map_or((0, 0), |s| (s.waiting_tokens, s.active_decode_tokens));
         (queued + v.sent_tokens_since_poll) as f64 / p.prefill_tokens_per_s
             + decode as f64 / p.decode_tokens_per_s(64, 4096)
     }
@@ -470,19 +394,14 @@ impl<'w> Simulation<'w> {
         match host.engine.begin_step() {
             Some(micros) => {
                 host.stepping = true;
-                self.queue
-                    .push(Timestamp(now.0 + micros), Ev::StepEnd(w, host.epoch));
+                self.queue.push(Timestamp(now.0 + micros), Ev::StepEnd(w, host.epoch));
             }
             None => host.stepping = false,
         }
     }
 
     fn step_end(&mut self, w: usize, now: Timestamp) {
-        let StepOutcome {
-            first_tokens,
-            finished,
-            batch,
-        } = self.hosts[w].engine.end_step();
+        let StepOutcome { first_tokens, finished, batch } = self.hosts[w].engine.end_step();
         let host = &mut self.hosts[w];
         host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
         for id in first_tokens {
@@ -506,21 +425,13 @@ impl<'w> Simulation<'w> {
     }
 
     fn send_batch(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
-        if !self.hosts[w].connected
-            || (self.kv_loss > 0.0 && self.rng.random::<f64>() < self.kv_loss)
-        {
+        if !self.hosts[w].connected || (self.kv_loss > 0.0 && self.rng.random::<f64>() < self.kv_loss) {
             return;
         }
-        let jitter = if self.kv_jitter.is_zero() {
-            Duration::ZERO
-        } else {
-            self.kv_jitter.mul_f64(self.rng.random())
-        };
+        let jitter = if self.kv_jitter.is_zero() { Duration::ZERO } else { self.kv_jitter.mul_f64(self.rng.random()) };
         // One publisher's messages travel one TCP stream: jitter delays them but never reorders them.
         // (Live and replayed batches still interleave, which the tracker sorts out.)
-        let at = now
-            .saturating_add(self.cfg.kv_delay + self.kv_extra + jitter)
-            .max(self.hosts[w].last_delivery);
+        let at = now.saturating_add(self.cfg.kv_delay + self.kv_extra + jitter).max(self.hosts[w].last_delivery);
         self.hosts[w].last_delivery = at;
         self.queue.push(at, Ev::Deliver(w, batch));
     }
@@ -531,20 +442,12 @@ impl<'w> Simulation<'w> {
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {
                 self.rec.kv_gap();
-                self.kv_state_all(
-                    w,
-                    KvState::Incomplete(format!("sequence gap from {from}, replaying")),
-                    false,
-                );
+                self.kv_state_all(w, KvState::Incomplete(format!("sequence gap from {from}, replaying")), false);
                 self.request_replay(w, from, now);
             }
             LiveAction::Restart => {
                 self.rec.kv_gap();
-                self.kv_state_all(
-                    w,
-                    KvState::Incomplete("engine restarted, replaying from 0".into()),
-                    true,
-                );
+                self.kv_state_all(w, KvState::Incomplete("engine restarted, replaying from 0".into()), true);
                 self.request_replay(w, 0, now);
             }
         }
@@ -555,9 +458,7 @@ impl<'w> Simulation<'w> {
     fn untrusted(&self, w: usize, now: Timestamp) -> bool {
         let h = &self.hosts[w];
         let stale_bound = self.cfg.knobs.stale_after() + self.cfg.poll_interval;
-        let polls_stale = h
-            .polls_fail_from
-            .is_some_and(|f| now.saturating_since(f) > stale_bound)
+        let polls_stale = h.polls_fail_from.is_some_and(|f| now.saturating_since(f) > stale_bound)
             && h.polls_fail_until.is_none_or(|u| now < u);
         h.awaiting_new_events || polls_stale
     }
@@ -584,20 +485,13 @@ impl<'w> Simulation<'w> {
     }
 
     fn request_replay(&mut self, w: usize, from: u64, now: Timestamp) {
-        self.queue.push(
-            now.saturating_add(self.cfg.replay_delay),
-            Ev::ReplayReply(w, from),
-        );
+        self.queue.push(now.saturating_add(self.cfg.replay_delay), Ev::ReplayReply(w, from));
     }
 
     fn replay_reply(&mut self, w: usize, from: u64, now: Timestamp) {
         let host = &mut self.hosts[w];
         let replayed = if self.replay && host.connected {
-            host.engine
-                .replay(from)
-                .into_iter()
-                .map(|b| (b.seq, b.events))
-                .collect()
+            host.engine.replay(from).into_iter().map(|b| (b.seq, b.events)).collect()
         } else {
             Vec::new()
         };
@@ -616,8 +510,7 @@ impl<'w> Simulation<'w> {
 
     fn poll(&mut self, w: usize, now: Timestamp) {
         let host = &self.hosts[w];
-        let failing = host.polls_fail_from.is_some_and(|f| now >= f)
-            && host.polls_fail_until.is_none_or(|u| now < u);
+        let failing = host.polls_fail_from.is_some_and(|f| now >= f) && host.polls_fail_until.is_none_or(|u| now < u);
         if host.connected && !failing {
             let snapshot = host.engine.load(now);
             for r in &mut self.replicas {
@@ -629,8 +522,7 @@ impl<'w> Simulation<'w> {
             }
         }
         if !self.rec.all_done() {
-            self.queue
-                .push(now.saturating_add(self.cfg.poll_interval), Ev::Poll(w));
+            self.queue.push(now.saturating_add(self.cfg.poll_interval), Ev::Poll(w));
         }
     }
 
@@ -652,12 +544,8 @@ impl<'w> Simulation<'w> {
         host.epoch += 1;
         host.stepping = false;
         self.fail_requests(w, aborted, now);
-        self.queue.push(
-            now.saturating_add(self.cfg.health_detect),
-            Ev::Health(w, false),
-        );
-        self.queue
-            .push(now.saturating_add(duration), Ev::Reconnect(w));
+        self.queue.push(now.saturating_add(self.cfg.health_detect), Ev::Health(w, false));
+        self.queue.push(now.saturating_add(duration), Ev::Reconnect(w));
     }
 
     fn restart(&mut self, w: usize, now: Timestamp) {
@@ -671,11 +559,7 @@ impl<'w> Simulation<'w> {
         self.fail_requests(w, failed, now);
         self.rec.restart();
         self.hosts[w].awaiting_new_events = true;
-        self.kv_state_all(
-            w,
-            KvState::Incomplete("engine restarted: in-flight requests failed".into()),
-            true,
-        );
+        self.kv_state_all(w, KvState::Incomplete("engine restarted: in-flight requests failed".into()), true);
         if let Some(batch) = self.hosts[w].engine.flush_idle() {
             self.send_batch(w, batch, now);
         }

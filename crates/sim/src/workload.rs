@@ -98,12 +98,7 @@ pub struct WorkloadParams {
     pub seed: u64,
 }
 
-fn poisson_arrivals(
-    rng: &mut ChaCha8Rng,
-    rate: f64,
-    duration_s: f64,
-    start_s: f64,
-) -> Vec<Timestamp> {
+fn poisson_arrivals(rng: &mut ChaCha8Rng, rate: f64, duration_s: f64, start_s: f64) -> Vec<Timestamp> {
     let mut t = start_s;
     let mut out = Vec::new();
     loop {
@@ -131,57 +126,30 @@ pub fn hot_prefix_51(p: WorkloadParams) -> Workload {
     let rate = p.rate.unwrap_or(60.0);
     let duration = p.duration_s.unwrap_or(30.0);
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
-    let hot = Segment {
-        seed: digest_str("hot-prefix-51/system"),
-        len: HOT_PREFIX_TOKENS,
-    };
+    let hot = Segment { seed: digest_str("hot-prefix-51/system"), len: HOT_PREFIX_TOKENS };
     let mut requests = Vec::new();
     // The owner's backlog: long conversations on the hot system prompt whose KV use (~12.5k tokens
     // each) lets about 38 of them run at once on a 500k-token engine; the rest wait.
     for i in 0..148u64 {
         requests.push(SimRequest {
             arrival: Timestamp::ZERO,
-            prompt: PromptSpec {
-                segments: vec![
-                    hot,
-                    Segment {
-                        seed: unique(p.seed, "backlog", i),
-                        len: 12_000,
-                    },
-                ],
-            },
+            prompt: PromptSpec { segments: vec![hot, Segment { seed: unique(p.seed, "backlog", i), len: 12_000 }] },
             output_tokens: 512,
             hot: false,
             direct_to: Some(0),
         });
     }
     // The burst starts once the owner has published the prefix and filled its batch.
-    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 2.0)
-        .into_iter()
-        .enumerate()
-    {
+    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 2.0).into_iter().enumerate() {
         requests.push(SimRequest {
             arrival: at,
-            prompt: PromptSpec {
-                segments: vec![
-                    hot,
-                    Segment {
-                        seed: unique(p.seed, "chat", i as u64),
-                        len: 200,
-                    },
-                ],
-            },
+            prompt: PromptSpec { segments: vec![hot, Segment { seed: unique(p.seed, "chat", i as u64), len: 200 }] },
             output_tokens: 256,
             hot: true,
             direct_to: None,
         });
     }
-    Workload {
-        name: "hot-prefix-51".into(),
-        workers,
-        requests,
-        hot_owner: Some(0),
-    }
+    Workload { name: "hot-prefix-51".into(), workers, requests, hot_owner: Some(0) }
 }
 
 /// `multi-prefix`: several hot prefixes of different lengths with Zipf popularity (s = 1.1); each
@@ -192,45 +160,27 @@ pub fn multi_prefix(p: WorkloadParams) -> Workload {
     let rate = p.rate.unwrap_or(60.0);
     let duration = p.duration_s.unwrap_or(60.0);
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
-    let weights: Vec<f64> = (1..=PREFIXES.len())
-        .map(|k| 1.0 / (k as f64).powf(1.1))
-        .collect();
+    let weights: Vec<f64> = (1..=PREFIXES.len()).map(|k| 1.0 / (k as f64).powf(1.1)).collect();
     let total: f64 = weights.iter().sum();
     let mut requests = Vec::new();
-    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 0.0)
-        .into_iter()
-        .enumerate()
-    {
+    for (i, at) in poisson_arrivals(&mut rng, rate, duration, 0.0).into_iter().enumerate() {
         let mut x = rng.random::<f64>() * total;
         let k = weights.iter().position(|w| {
             x -= w;
             x < 0.0
         });
         let k = k.unwrap_or(PREFIXES.len() - 1);
-        let prefix = Segment {
-            seed: digest_str(&format!("multi-prefix/{k}")),
-            len: PREFIXES[k],
-        };
-        let suffix = Segment {
-            seed: unique(p.seed, "multi", i as u64),
-            len: rng.random_range(100..1000),
-        };
+        let prefix = Segment { seed: digest_str(&format!("multi-prefix/{k}")), len: PREFIXES[k] };
+        let suffix = Segment { seed: unique(p.seed, "multi", i as u64), len: rng.random_range(100..1000) };
         requests.push(SimRequest {
             arrival: at,
-            prompt: PromptSpec {
-                segments: vec![prefix, suffix],
-            },
+            prompt: PromptSpec { segments: vec![prefix, suffix] },
             output_tokens: rng.random_range(50..500),
             hot: k == 0,
             direct_to: None,
         });
     }
-    Workload {
-        name: "multi-prefix".into(),
-        workers,
-        requests,
-        hot_owner: None,
-    }
+    Workload { name: "multi-prefix".into(), workers, requests, hot_owner: None }
 }
 
 #[derive(Deserialize)]
@@ -244,14 +194,8 @@ struct MooncakeRow {
 /// Replays a Mooncake trace: arrivals at `timestamp / speedup`, each hash id expanded into 512
 /// deterministic tokens seeded by the id (the last block cut to `input_length`). Requests whose first
 /// hash id is 0 (the shared system prompt) are the tracked hot prefix.
-pub fn mooncake(
-    path: &Path,
-    workers: usize,
-    speedup: f64,
-    limit: Option<usize>,
-) -> Result<Workload, SimError> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+pub fn mooncake(path: &Path, workers: usize, speedup: f64, limit: Option<usize>) -> Result<Workload, SimError> {
+    let file = std::fs::File::open(path).map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
     let mut requests = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         if limit.is_some_and(|l| requests.len() >= l) {
@@ -270,17 +214,11 @@ pub fn mooncake(
                 break;
             }
             let len = left.min(MOONCAKE_BLOCK_TOKENS as u64) as u32;
-            segments.push(Segment {
-                seed: digest_str("mooncake") ^ id.wrapping_mul(0x2545_f491_4f6c_dd1d),
-                len,
-            });
+            segments.push(Segment { seed: digest_str("mooncake") ^ id.wrapping_mul(0x2545_f491_4f6c_dd1d), len });
             left -= len as u64;
         }
         if left > 0 {
-            segments.push(Segment {
-                seed: unique(0, "mooncake-tail", n as u64),
-                len: left as u32,
-            });
+            segments.push(Segment { seed: unique(0, "mooncake-tail", n as u64), len: left as u32 });
         }
         requests.push(SimRequest {
             arrival: Timestamp::from_secs_f64(row.timestamp / 1000.0 / speedup),
@@ -295,14 +233,8 @@ pub fn mooncake(
 
 /// Replays an Azure LLM inference trace (`TIMESTAMP,ContextTokens,GeneratedTokens`): unique prompts,
 /// no prefix sharing: a load-only workload.
-pub fn azure(
-    path: &Path,
-    workers: usize,
-    speedup: f64,
-    limit: Option<usize>,
-) -> Result<Workload, SimError> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
+pub fn azure(path: &Path, workers: usize, speedup: f64, limit: Option<usize>) -> Result<Workload, SimError> {
+    let file = std::fs::File::open(path).map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
     let mut requests = Vec::new();
     let mut first: Option<f64> = None;
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
@@ -313,35 +245,16 @@ pub fn azure(
         if limit.is_some_and(|l| requests.len() >= l) {
             break;
         }
-        let bad = |what: &str| {
-            SimError::Trace(format!(
-                "{} line {}: {what}: {line:?}",
-                path.display(),
-                n + 1
-            ))
-        };
+        let bad = |what: &str| SimError::Trace(format!("{} line {}: {what}: {line:?}", path.display(), n + 1));
         let mut fields = line.split(',');
-        let ts = fields
-            .next()
-            .and_then(parse_azure_time)
-            .ok_or_else(|| bad("bad TIMESTAMP"))?;
-        let context: u32 = fields
-            .next()
-            .and_then(|f| f.trim().parse().ok())
-            .ok_or_else(|| bad("bad ContextTokens"))?;
-        let generated: u32 = fields
-            .next()
-            .and_then(|f| f.trim().parse().ok())
-            .ok_or_else(|| bad("bad GeneratedTokens"))?;
+        let ts = fields.next().and_then(parse_azure_time).ok_or_else(|| bad("bad TIMESTAMP"))?;
+        let context: u32 = fields.next().and_then(|f| f.trim().parse().ok()).ok_or_else(|| bad("bad ContextTokens"))?;
+        let generated: u32 =
+            fields.next().and_then(|f| f.trim().parse().ok()).ok_or_else(|| bad("bad GeneratedTokens"))?;
         let start = *first.get_or_insert(ts);
         requests.push(SimRequest {
             arrival: Timestamp::from_secs_f64((ts - start) / speedup),
-            prompt: PromptSpec {
-                segments: vec![Segment {
-                    seed: unique(0, "azure", n as u64),
-                    len: context.max(1),
-                }],
-            },
+            prompt: PromptSpec { segments: vec![Segment { seed: unique(0, "azure", n as u64), len: context.max(1) }] },
             output_tokens: generated.max(1),
             hot: false,
             direct_to: None,
@@ -351,20 +264,10 @@ pub fn azure(
 }
 
 /// A replayed trace's workload, requests in arrival order.
-fn trace_workload(
-    kind: &str,
-    path: &Path,
-    workers: usize,
-    mut requests: Vec<SimRequest>,
-) -> Workload {
+fn trace_workload(kind: &str, path: &Path, workers: usize, mut requests: Vec<SimRequest>) -> Workload {
     requests.sort_by_key(|r| r.arrival);
     let file = path.file_name().and_then(|f| f.to_str()).unwrap_or("trace");
-    Workload {
-        name: format!("{kind}:{file}"),
-        workers,
-        requests,
-        hot_owner: None,
-    }
+    Workload { name: format!("{kind}:{file}"), workers, requests, hot_owner: None }
 }
 
 /// Seconds since 1970 of `YYYY-MM-DD HH:MM:SS[.fraction]`.
@@ -373,10 +276,7 @@ fn parse_azure_time(s: &str) -> Option<f64> {
     let mut d = date.split('-').map(|x| x.parse::<i64>());
     let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
     let mut t = time.split(':');
-    let (hh, mm) = (
-        t.next()?.parse::<f64>().ok()?,
-        t.next()?.parse::<f64>().ok()?,
-    );
+    let (hh, mm) = (t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?);
     let ss = t.next()?.parse::<f64>().ok()?;
     // Days from civil (Howard Hinnant's algorithm).
     let y = if m <= 2 { y - 1 } else { y };
@@ -397,21 +297,13 @@ mod tests {
         let a = parse_azure_time("2023-11-16 18:15:46.6805900").unwrap();
         let b = parse_azure_time("2023-11-17 00:00:00").unwrap();
         assert!((b - a - (5.0 * 3600.0 + 44.0 * 60.0 + 13.31941)).abs() < 1e-3);
-        assert_eq!(
-            parse_azure_time("2023-01-01 00:00:00").unwrap(),
-            1_672_531_200.0
-        );
+        assert_eq!(parse_azure_time("2023-01-01 00:00:00").unwrap(), 1_672_531_200.0);
         assert!(parse_azure_time("garbage").is_none());
     }
 
     #[test]
     fn shared_segments_give_shared_tokens() {
-        let w = multi_prefix(WorkloadParams {
-            workers: None,
-            rate: Some(50.0),
-            duration_s: Some(5.0),
-            seed: 1,
-        });
+        let w = multi_prefix(WorkloadParams { workers: None, rate: Some(50.0), duration_s: Some(5.0), seed: 1 });
         let hot: Vec<_> = w.requests.iter().filter(|r| r.hot).take(2).collect();
         assert_eq!(hot.len(), 2);
         let (a, b) = (hot[0].prompt.tokens(), hot[1].prompt.tokens());
@@ -421,17 +313,9 @@ mod tests {
 
     #[test]
     fn hot_prefix_scenario_has_the_owner_backlog_and_a_burst() {
-        let w = hot_prefix_51(WorkloadParams {
-            workers: None,
-            rate: None,
-            duration_s: Some(10.0),
-            seed: 3,
-        });
+        let w = hot_prefix_51(WorkloadParams { workers: None, rate: None, duration_s: Some(10.0), seed: 3 });
         assert_eq!(w.workers, 51);
-        assert_eq!(
-            w.requests.iter().filter(|r| r.direct_to == Some(0)).count(),
-            148
-        );
+        assert_eq!(w.requests.iter().filter(|r| r.direct_to == Some(0)).count(), 148);
         let burst = w.requests.iter().filter(|r| r.hot).count();
         assert!((450..750).contains(&burst), "{burst}");
     }

@@ -9,11 +9,7 @@ use kvgate_sim::workload::{self, Workload, WorkloadParams};
 use kvgate_sim::{Report, SimConfig};
 
 fn run_with(w: &Workload, policy: &str, seed: u64, tweak: impl Fn(&mut SimConfig)) -> Report {
-    let mut cfg = SimConfig::new(
-        EngineProfile::large_moe_h200(),
-        PolicySpec::parse(policy).unwrap(),
-        seed,
-    );
+    let mut cfg = SimConfig::new(EngineProfile::large_moe_h200(), PolicySpec::parse(policy).unwrap(), seed);
     tweak(&mut cfg);
     kvgate_sim::run(w, cfg).unwrap()
 }
@@ -23,30 +19,15 @@ fn run(w: &Workload, policy: &str) -> Report {
 }
 
 fn hot51(duration: f64) -> Workload {
-    workload::hot_prefix_51(WorkloadParams {
-        workers: None,
-        rate: None,
-        duration_s: Some(duration),
-        seed: 1,
-    })
+    workload::hot_prefix_51(WorkloadParams { workers: None, rate: None, duration_s: Some(duration), seed: 1 })
 }
 
 fn multi(rate: f64, duration: f64) -> Workload {
-    workload::multi_prefix(WorkloadParams {
-        workers: None,
-        rate: Some(rate),
-        duration_s: Some(duration),
-        seed: 1,
-    })
+    workload::multi_prefix(WorkloadParams { workers: None, rate: Some(rate), duration_s: Some(duration), seed: 1 })
 }
 
 fn with_fault(w: &Workload, policy: &str, fault: &str) -> Report {
-    let start = w
-        .requests
-        .iter()
-        .find(|r| r.direct_to.is_none())
-        .unwrap()
-        .arrival;
+    let start = w.requests.iter().find(|r| r.direct_to.is_none()).unwrap().arrival;
     let span = w.requests.last().unwrap().arrival.saturating_since(start);
     let f = faults::named(fault, w.hot_owner.unwrap_or(0), start, span).unwrap();
     run_with(w, policy, 1, |c| c.faults = vec![f.clone()])
@@ -67,24 +48,12 @@ fn hot_prefix_51_projected_admits_everything_and_sends_hot_work_to_idle_peers() 
     assert_eq!(projected.requests.rejected, 0, "{:?}", projected.requests);
     assert_eq!(projected.requests.failed, 0);
     assert_eq!(projected.requests.completed, projected.requests.total);
-    assert!(
-        projected.hot_prefix.owner_share < 0.02,
-        "{:?}",
-        projected.hot_prefix
-    );
+    assert!(projected.hot_prefix.owner_share < 0.02, "{:?}", projected.hot_prefix);
     // The incident: cap-one seeding pins the hot prefix to its owner, whose queue makes admission
     // refuse the burst.
     let seeded = run(&w, "cache_aware_seeded");
-    assert!(
-        seeded.hot_prefix.owner_share > 0.99,
-        "{:?}",
-        seeded.hot_prefix
-    );
-    assert!(
-        seeded.requests.rejected > seeded.requests.total / 2,
-        "{:?}",
-        seeded.requests
-    );
+    assert!(seeded.hot_prefix.owner_share > 0.99, "{:?}", seeded.hot_prefix);
+    assert!(seeded.requests.rejected > seeded.requests.total / 2, "{:?}", seeded.requests);
     // Without admission control every request waits behind the owner's queue.
     let no_admission = |c: &mut SimConfig| c.admission_wait_s = 0.0;
     let seeded_all = run_with(&w, "cache_aware_seeded", 1, no_admission);
@@ -104,17 +73,10 @@ fn projected_computes_fewer_prefill_tokens_than_least_load_at_equal_throughput()
     let off = run(&w, "projected:off");
     let enforce = run(&w, "projected:enforce");
     for r in [&ll, &off, &enforce] {
-        assert_eq!(
-            r.requests.completed,
-            r.requests.total,
-            "{}: {:?}",
-            r.label(),
-            r.requests
-        );
+        assert_eq!(r.requests.completed, r.requests.total, "{}: {:?}", r.label(), r.requests);
     }
     assert!(
-        (enforce.cache.prefill_tokens_computed as f64)
-            < 0.8 * ll.cache.prefill_tokens_computed as f64,
+        (enforce.cache.prefill_tokens_computed as f64) < 0.8 * ll.cache.prefill_tokens_computed as f64,
         "enforce {} vs least_load {}",
         enforce.cache.prefill_tokens_computed,
         ll.cache.prefill_tokens_computed
@@ -131,9 +93,7 @@ fn shadow_dispatches_like_off_and_counts_disagreements() {
     let shadow = run(&w, "projected:shadow");
     assert_eq!(off.workers, shadow.workers, "identical dispatch");
     assert_eq!(shadow.shadow.decisions, shadow.requests.total);
-    assert!(
-        shadow.shadow.disagreements > 0 && shadow.shadow.disagreements < shadow.shadow.decisions
-    );
+    assert!(shadow.shadow.disagreements > 0 && shadow.shadow.disagreements < shadow.shadow.decisions);
     assert_eq!(off.shadow.decisions, 0);
 }
 
@@ -143,35 +103,15 @@ fn lost_kv_events_fall_back_without_starving_or_flooding_any_worker() {
     let lost = with_fault(&w, "projected:enforce", "kv-loss-no-replay");
     assert!(lost.kv.history_lost > 0);
     assert_eq!(lost.requests.completed, lost.requests.total);
-    let load_only = lost
-        .decisions_by_reason
-        .get("load_only")
-        .copied()
-        .unwrap_or(0)
-        + lost
-            .decisions_by_reason
-            .iter()
-            .filter(|(k, _)| k.starts_with("fallback:"))
-            .map(|(_, v)| v)
-            .sum::<u64>();
-    assert!(
-        load_only > lost.requests.total / 2,
-        "{:?}",
-        lost.decisions_by_reason
-    );
+    let load_only = lost.decisions_by_reason.get("load_only").copied().unwrap_or(0)
+        + lost.decisions_by_reason.iter().filter(|(k, _)| k.starts_with("fallback:")).map(|(_, v)| v).sum::<u64>();
+    assert!(load_only > lost.requests.total / 2, "{:?}", lost.decisions_by_reason);
     let (min, max) = spread(&lost);
-    assert!(
-        min > 0.7 && max < 1.3,
-        "per-worker share {min:.2}..{max:.2}"
-    );
+    assert!(min > 0.7 && max < 1.3, "per-worker share {min:.2}..{max:.2}");
     // With the replay socket, gaps are filled and the cache keeps working.
     let replayed = with_fault(&w, "projected:enforce", "kv-loss");
     let clean = run(&w, "projected:enforce");
-    assert!(
-        replayed.kv.gaps > 0 && replayed.kv.history_lost == 0,
-        "{:?}",
-        replayed.kv
-    );
+    assert!(replayed.kv.gaps > 0 && replayed.kv.history_lost == 0, "{:?}", replayed.kv);
     assert!(replayed.cache.hit_rate > lost.cache.hit_rate);
     assert!(replayed.cache.hit_rate > clean.cache.hit_rate - 0.02);
 }
@@ -183,10 +123,7 @@ fn delayed_kv_events_keep_their_order_and_everything_completes() {
     assert_eq!(r.kv.gaps, 0);
     assert_eq!(r.requests.completed, r.requests.total);
     let (min, max) = spread(&r);
-    assert!(
-        min > 0.7 && max < 1.3,
-        "per-worker share {min:.2}..{max:.2}"
-    );
+    assert!(min > 0.7 && max < 1.3, "per-worker share {min:.2}..{max:.2}");
 }
 
 #[test]
@@ -194,18 +131,11 @@ fn a_disconnected_engine_fails_its_in_flight_requests_and_gets_no_more() {
     let w = multi(50.0, 30.0);
     let r = with_fault(&w, "projected:enforce", "disconnect");
     assert!(r.requests.failed > 0, "in-flight requests fail");
-    assert!(
-        r.requests.failed < r.requests.total / 50,
-        "then the router stops sending: {:?}",
-        r.requests
-    );
+    assert!(r.requests.failed < r.requests.total / 50, "then the router stops sending: {:?}", r.requests);
     assert_eq!(r.requests.completed + r.requests.failed, r.requests.total);
     let target = r.workers[0].requests as f64;
     let mean = r.requests.total as f64 / r.workers.len() as f64;
-    assert!(
-        target < 0.85 * mean,
-        "out for a third of the run: {target} vs mean {mean}"
-    );
+    assert!(target < 0.85 * mean, "out for a third of the run: {target} vs mean {mean}");
 }
 
 #[test]
@@ -226,10 +156,7 @@ fn stale_telemetry_withholds_credit_from_that_engine_only() {
     assert_eq!(r.kv.credit_while_untrusted, 0);
     assert_eq!(r.requests.completed, r.requests.total);
     let clean = run(&w, "projected:enforce");
-    assert!(
-        r.cache.hit_rate > clean.cache.hit_rate - 0.03,
-        "one stale engine does not switch caching off"
-    );
+    assert!(r.cache.hit_rate > clean.cache.hit_rate - 0.03, "one stale engine does not switch caching off");
 }
 
 #[test]
@@ -238,11 +165,7 @@ fn every_baseline_serves_the_multi_prefix_workload() {
     for name in kvgate_sim::policy::POLICY_NAMES {
         let r = run(&w, name);
         assert_eq!(r.requests.failed, 0, "{name}");
-        assert!(
-            r.requests.completed + r.requests.rejected == r.requests.total,
-            "{name}: {:?}",
-            r.requests
-        );
+        assert!(r.requests.completed + r.requests.rejected == r.requests.total, "{name}: {:?}", r.requests);
         assert!(r.requests.completed > 0, "{name}");
     }
 }
@@ -251,34 +174,23 @@ fn every_baseline_serves_the_multi_prefix_workload() {
 fn same_seed_gives_identical_reports_and_another_seed_does_not() {
     let w = multi(50.0, 10.0);
     let a = serde_json::to_string(&run_with(&w, "projected:enforce", 7, |c| {
-        c.faults = vec![faults::Fault::KvLoss {
-            probability: 0.1,
-            replay: true,
-        }]
+        c.faults = vec![faults::Fault::KvLoss { probability: 0.1, replay: true }]
     }))
     .unwrap();
     let b = serde_json::to_string(&run_with(&w, "projected:enforce", 7, |c| {
-        c.faults = vec![faults::Fault::KvLoss {
-            probability: 0.1,
-            replay: true,
-        }]
+        c.faults = vec![faults::Fault::KvLoss { probability: 0.1, replay: true }]
     }))
     .unwrap();
     assert_eq!(a, b);
     let c = serde_json::to_string(&run_with(&w, "projected:enforce", 8, |c| {
-        c.faults = vec![faults::Fault::KvLoss {
-            probability: 0.1,
-            replay: true,
-        }]
+        c.faults = vec![faults::Fault::KvLoss { probability: 0.1, replay: true }]
     }))
     .unwrap();
     assert_ne!(a, c);
 }
 
 fn shared(path: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/traces")
-        .join(path);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/traces").join(path);
     if p.exists() {
         Some(p)
     } else {
@@ -294,24 +206,13 @@ fn mooncake_replay_shares_block_zero_and_projected_reuses_it() {
     };
     let w = workload::mooncake(&path, 16, 4.0, Some(400)).unwrap();
     assert_eq!(w.requests.len(), 400);
-    assert!(
-        w.requests.iter().all(|r| r.hot),
-        "every request starts with hash id 0"
-    );
+    assert!(w.requests.iter().all(|r| r.hot), "every request starts with hash id 0");
     let rr = run(&w, "round_robin");
     let projected = run(&w, "projected:enforce");
     assert_eq!(projected.requests.completed, 400);
-    assert!(
-        projected.cache.hit_rate > rr.cache.hit_rate,
-        "{} vs {}",
-        projected.cache.hit_rate,
-        rr.cache.hit_rate
-    );
+    assert!(projected.cache.hit_rate > rr.cache.hit_rate, "{} vs {}", projected.cache.hit_rate, rr.cache.hit_rate);
     let (_, max) = spread(&projected);
-    assert!(
-        max < 2.5,
-        "no single owner for the shared block: max/mean {max:.2}"
-    );
+    assert!(max < 2.5, "no single owner for the shared block: max/mean {max:.2}");
 }
 
 #[test]
@@ -336,18 +237,11 @@ fn several_router_replicas_each_reserve_on_their_own_and_still_spread() {
     let eight = run_with(&m, "projected:enforce", 1, |c| c.replicas = 8);
     assert_eq!(eight.requests.completed, eight.requests.total);
     let (min, max) = spread(&eight);
-    assert!(
-        min > 0.6 && max < 1.4,
-        "per-worker share {min:.2}..{max:.2}"
-    );
+    assert!(min > 0.6 && max < 1.4, "per-worker share {min:.2}..{max:.2}");
     // Replicas converge through telemetry; their private reservations cost a little reuse at most.
     assert!(eight.cache.hit_rate > one.cache.hit_rate - 0.03);
     let bad = kvgate_sim::run(&m, {
-        let mut c = SimConfig::new(
-            EngineProfile::large_moe_h200(),
-            PolicySpec::parse("projected").unwrap(),
-            1,
-        );
+        let mut c = SimConfig::new(EngineProfile::large_moe_h200(), PolicySpec::parse("projected").unwrap(), 1);
         c.replicas = 0;
         c
     });

@@ -157,12 +157,7 @@ impl KvIndex {
     }
 
     /// Applies one worker's events in order.
-    pub fn apply_events(
-        &mut self,
-        slot: WorkerSlot,
-        events: &[KvEvent],
-        now: Timestamp,
-    ) -> ApplyStats {
+    pub fn apply_events(&mut self, slot: WorkerSlot, events: &[KvEvent], now: Timestamp) -> ApplyStats {
         let mut stats = ApplyStats::default();
         for event in events {
             stats.add(self.apply(slot, event, now));
@@ -173,10 +168,7 @@ impl KvIndex {
     /// Applies one event from `slot`'s stream.
     pub fn apply(&mut self, slot: WorkerSlot, event: &KvEvent, now: Timestamp) -> ApplyStats {
         let Some(w) = self.worker_mut(slot) else {
-            return ApplyStats {
-                dropped: 1,
-                ..ApplyStats::default()
-            };
+            return ApplyStats { dropped: 1, ..ApplyStats::default() };
         };
         w.last_event_at = Some(now);
         match event {
@@ -189,33 +181,22 @@ impl KvIndex {
                         w.state = KvState::Synced;
                     }
                 }
-                ApplyStats {
-                    clears: 1,
-                    ..ApplyStats::default()
-                }
+                ApplyStats { clears: 1, ..ApplyStats::default() }
             }
         }
     }
 
     fn apply_stored(&mut self, slot: WorkerSlot, ev: &BlockStored) -> ApplyStats {
-        let ignored = ApplyStats {
-            ignored: 1,
-            ..ApplyStats::default()
-        };
-        let dropped = ApplyStats {
-            dropped: 1,
-            ..ApplyStats::default()
-        };
+        let ignored = ApplyStats { ignored: 1, ..ApplyStats::default() };
+        let dropped = ApplyStats { dropped: 1, ..ApplyStats::default() };
         if !is_prefix_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref())
             || !is_accelerator_medium(ev.medium.as_deref())
         {
             return ignored;
         }
         if ev.block_size != self.block_size {
-            let reason = format!(
-                "engine block_size {} differs from the router's block_size {}",
-                ev.block_size, self.block_size
-            );
+            let reason =
+                format!("engine block_size {} differs from the router's block_size {}", ev.block_size, self.block_size);
             self.clear_worker(slot);
             self.set_state(slot, KvState::Invalid(reason));
             return dropped;
@@ -231,34 +212,23 @@ impl KvIndex {
             self.mark_incomplete(slot, reason);
             return dropped;
         }
-        let worker = self.workers[slot.index()]
-            .as_mut()
-            .expect("checked by caller");
+        let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
         let mut key = match ev.parent_block_hash {
             None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
             Some(parent) => match worker.engine_to_key.get(&parent) {
                 Some(key) => *key,
                 None => {
-                    let reason =
-                        format!("BlockStored names unknown parent block {:#018x}", parent.0);
+                    let reason = format!("BlockStored names unknown parent block {:#018x}", parent.0);
                     self.mark_incomplete(slot, reason);
                     return dropped;
                 }
             },
         };
         let mut stats = ApplyStats::default();
-        for (hash, tokens) in ev
-            .block_hashes
-            .iter()
-            .zip(ev.token_ids.chunks_exact(block_size))
-        {
+        for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
             key = self.hasher.block_key(key, tokens);
-            let worker = self.workers[slot.index()]
-                .as_mut()
-                .expect("checked by caller");
-            if worker.key_refs.len() >= self.max_blocks_per_worker
-                && !worker.key_refs.contains_key(&key)
-            {
+            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+            if worker.key_refs.len() >= self.max_blocks_per_worker && !worker.key_refs.contains_key(&key) {
                 let reason = format!(
                     "worker claims more than {} blocks; its stream is missing removals",
                     self.max_blocks_per_worker
@@ -287,9 +257,7 @@ impl KvIndex {
             return stats;
         }
         for hash in &ev.block_hashes {
-            let worker = self.workers[slot.index()]
-                .as_mut()
-                .expect("checked by caller");
+            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
             match worker.unmap_engine_hash(*hash) {
                 Some((key, true)) => {
                     remove_holder(&mut self.holders, key, slot);
@@ -362,9 +330,7 @@ impl KvIndex {
 
     /// Whether `slot` holds block `key`.
     pub fn holds(&self, slot: WorkerSlot, key: BlockKey) -> bool {
-        self.holders
-            .get(&key)
-            .is_some_and(|h| h.binary_search(&slot).is_ok())
+        self.holders.get(&key).is_some_and(|h| h.binary_search(&slot).is_ok())
     }
 
     fn worker(&self, slot: WorkerSlot) -> Option<&WorkerBlocks> {

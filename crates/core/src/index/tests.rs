@@ -51,10 +51,7 @@ fn stored_chain_gives_overlap_in_blocks_and_removal_shortens_it() {
     assert_eq!(o[&W1], 1);
     index.apply(W0, &removed(&[11]), T0);
     let o = overlap_of(&index, &tokens);
-    assert_eq!(
-        o[&W0], 1,
-        "the walk stops at the first block the worker lost"
-    );
+    assert_eq!(o[&W0], 1, "the walk stops at the first block the worker lost");
     assert_eq!(index.blocks_held(W0), 2);
 }
 
@@ -184,11 +181,7 @@ impl Reference {
     fn overlap(&self, w: usize, tokens: &[u32]) -> u32 {
         let held: Vec<&Vec<u32>> = self.workers[w].values().collect();
         let mut n = 0;
-        while (n + 1) * (BS as usize) <= tokens.len()
-            && held
-                .iter()
-                .any(|p| p[..] == tokens[..(n + 1) * BS as usize])
-        {
+        while (n + 1) * (BS as usize) <= tokens.len() && held.iter().any(|p| p[..] == tokens[..(n + 1) * BS as usize]) {
             n += 1;
         }
         n as u32
@@ -198,19 +191,9 @@ impl Reference {
 /// A random event stream over a small token alphabet so that prefixes collide often.
 #[derive(Debug, Clone)]
 enum Op {
-    Store {
-        worker: usize,
-        parent: Option<usize>,
-        hashes: Vec<u64>,
-        tokens: Vec<u32>,
-    },
-    Remove {
-        worker: usize,
-        hashes: Vec<u64>,
-    },
-    Clear {
-        worker: usize,
-    },
+    Store { worker: usize, parent: Option<usize>, hashes: Vec<u64>, tokens: Vec<u32> },
+    Remove { worker: usize, hashes: Vec<u64> },
+    Clear { worker: usize },
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {

@@ -74,29 +74,18 @@ pub(super) struct WorkerBlocks {
 
 impl WorkerBlocks {
     pub(super) fn new(state: KvState) -> Self {
-        WorkerBlocks {
-            engine_to_key: FxHashMap::default(),
-            key_refs: FxHashMap::default(),
-            state,
-            last_event_at: None,
-        }
+        WorkerBlocks { engine_to_key: FxHashMap::default(), key_refs: FxHashMap::default(), state, last_event_at: None }
     }
 
     pub(super) fn map_engine_hash(&mut self, hash: EngineHash, key: BlockKey) -> MapOutcome {
         let previous = self.engine_to_key.insert(hash, key);
         if previous == Some(key) {
-            return MapOutcome {
-                newly_held: false,
-                released: None,
-            };
+            return MapOutcome { newly_held: false, released: None };
         }
         let released = previous.filter(|old| self.release_key(*old));
         let refs = self.key_refs.entry(key).or_insert(0);
         *refs += 1;
-        MapOutcome {
-            newly_held: *refs == 1,
-            released,
-        }
+        MapOutcome { newly_held: *refs == 1, released }
     }
 
     /// Drops one reference to `key`; true when the worker no longer holds it.

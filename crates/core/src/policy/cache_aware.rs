@@ -63,42 +63,23 @@ pub fn pick(
     seeded_owner: Option<usize>,
     draw: u64,
 ) -> Option<Pick> {
-    if let Some(owner) = seeded_owner.filter(|o| cfg.distribution_seeding && *o < candidates.len())
-    {
+    if let Some(owner) = seeded_owner.filter(|o| cfg.distribution_seeding && *o < candidates.len()) {
         return Some(Pick::Seeded(owner));
     }
-    let min_idx = (0..candidates.len())
-        .min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
-    let best_overlap = candidates
-        .iter()
-        .map(|c| c.overlap_blocks)
-        .max()
-        .unwrap_or(0);
+    let min_idx = (0..candidates.len()).min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
+    let best_overlap = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
     if request_blocks == 0 || best_overlap == 0 {
         return Some(Pick::Balance(min_idx));
     }
-    let holders: Vec<usize> = (0..candidates.len())
-        .filter(|&i| candidates[i].overlap_blocks == best_overlap)
-        .collect();
-    let least = holders
-        .iter()
-        .map(|&i| candidates[i].in_flight)
-        .min()
-        .unwrap_or(0);
-    let tied: Vec<usize> = holders
-        .into_iter()
-        .filter(|&i| candidates[i].in_flight == least)
-        .collect();
+    let holders: Vec<usize> = (0..candidates.len()).filter(|&i| candidates[i].overlap_blocks == best_overlap).collect();
+    let least = holders.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
+    let tied: Vec<usize> = holders.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
     let selected = tied[(draw % tied.len() as u64) as usize];
 
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
     let load = candidates[selected].in_flight as f64;
     let gate = load > mean * cfg.balance_rel && load > mean + cfg.balance_abs as f64;
-    Some(if gate && !cfg.distribution_seeding {
-        Pick::Balance(min_idx)
-    } else {
-        Pick::Affinity(selected)
-    })
+    Some(if gate && !cfg.distribution_seeding { Pick::Balance(min_idx) } else { Pick::Affinity(selected) })
 }
 
 #[cfg(test)]
@@ -107,14 +88,7 @@ mod tests {
     use crate::policy::PolicyName;
 
     fn cands(loads: &[(u64, u32)]) -> Vec<Candidate> {
-        loads
-            .iter()
-            .map(|&(in_flight, overlap_blocks)| Candidate {
-                in_flight,
-                routed: 0,
-                overlap_blocks,
-            })
-            .collect()
+        loads.iter().map(|&(in_flight, overlap_blocks)| Candidate { in_flight, routed: 0, overlap_blocks }).collect()
     }
 
     #[test]
@@ -128,27 +102,12 @@ mod tests {
 
     #[test]
     fn cap_one_seeding_keeps_a_prefix_on_its_one_owner_past_the_balance_gate() {
-        let cfg = PolicyConfig {
-            distribution_seeding: true,
-            ..PolicyConfig::new(PolicyName::CacheAware)
-        };
+        let cfg = PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
         let c = cands(&[(200, 4), (0, 0), (0, 0)]);
-        assert_eq!(
-            pick(&c, 4, &cfg, None, 0),
-            Some(Pick::Affinity(0)),
-            "the holder is seeded, gate or not"
-        );
-        assert_eq!(
-            pick(&c, 4, &cfg, Some(2), 0),
-            Some(Pick::Seeded(2)),
-            "a pinned prefix goes to its owner"
-        );
+        assert_eq!(pick(&c, 4, &cfg, None, 0), Some(Pick::Affinity(0)), "the holder is seeded, gate or not");
+        assert_eq!(pick(&c, 4, &cfg, Some(2), 0), Some(Pick::Seeded(2)), "a pinned prefix goes to its owner");
         let plain = PolicyConfig::new(PolicyName::CacheAware);
-        assert_eq!(
-            pick(&c, 4, &plain, Some(2), 0),
-            Some(Pick::Balance(1)),
-            "pins mean nothing without seeding"
-        );
+        assert_eq!(pick(&c, 4, &plain, Some(2), 0), Some(Pick::Balance(1)), "pins mean nothing without seeding");
     }
 
     #[test]

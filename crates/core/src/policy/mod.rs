@@ -110,9 +110,9 @@ impl FromStr for Mode {
             "off" => Ok(Mode::Off),
             "shadow" => Ok(Mode::Shadow),
             "enforce" => Ok(Mode::Enforce),
-            other => Err(CoreError::InvalidPolicy(format!(
-                "unknown mode {other:?}: expected one of off, shadow, enforce"
-            ))),
+            other => {
+                Err(CoreError::InvalidPolicy(format!("unknown mode {other:?}: expected one of off, shadow, enforce")))
+            }
         }
     }
 }
@@ -177,7 +177,8 @@ pub const KV_STALE_AFTER_MS: Knob = Knob {
     min: 100.0,
     max: 3_600_000.0,
     default: 30_000.0,
-    meaning: "a worker that has had traffic but no KV event or heartbeat for this long is `stale` and earns no cache credit",
+    meaning:
+        "a worker that has had traffic but no KV event or heartbeat for this long is `stale` and earns no cache credit",
 };
 /// KV usage above which the pressure barrier applies.
 pub const KV_BARRIER_THRESHOLD: Knob = Knob {
@@ -209,7 +210,8 @@ pub const BALANCE_REL: Knob = Knob {
     min: 1.0,
     max: 1000.0,
     default: 1.5,
-    meaning: "cache_aware: the affinity pick is overridden when its load exceeds the mean times this (and by balance_abs)",
+    meaning:
+        "cache_aware: the affinity pick is overridden when its load exceeds the mean times this (and by balance_abs)",
 };
 
 /// Every policy knob, for documentation and `--help` texts.
@@ -275,10 +277,7 @@ impl PolicyConfig {
 
     /// The projected policy in `mode`.
     pub fn projected(mode: Mode) -> Self {
-        PolicyConfig {
-            mode,
-            ..PolicyConfig::new(PolicyName::Projected)
-        }
+        PolicyConfig { mode, ..PolicyConfig::new(PolicyName::Projected) }
     }
 
     /// Checks every knob's bounds and the combination of settings.
@@ -332,56 +331,30 @@ mod tests {
 
     #[test]
     fn out_of_range_knob_is_named_with_its_range() {
-        let cfg = PolicyConfig {
-            escape_seconds: -1.0,
-            ..PolicyConfig::default()
-        };
+        let cfg = PolicyConfig { escape_seconds: -1.0, ..PolicyConfig::default() };
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("escape_seconds"), "{err}");
         assert!(err.contains("0 to 3600"), "{err}");
-        let cfg = PolicyConfig {
-            kv_barrier_threshold: 1.5,
-            ..PolicyConfig::default()
-        };
-        assert!(cfg
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("kv_barrier_threshold"));
-        let cfg = PolicyConfig {
-            escape_seconds: f64::NAN,
-            ..PolicyConfig::default()
-        };
+        let cfg = PolicyConfig { kv_barrier_threshold: 1.5, ..PolicyConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("kv_barrier_threshold"));
+        let cfg = PolicyConfig { escape_seconds: f64::NAN, ..PolicyConfig::default() };
         assert!(cfg.validate().is_err());
     }
 
     #[test]
     fn distribution_seeding_is_rejected_for_projected_and_accepted_for_cache_aware() {
-        let projected = PolicyConfig {
-            distribution_seeding: true,
-            ..PolicyConfig::default()
-        };
+        let projected = PolicyConfig { distribution_seeding: true, ..PolicyConfig::default() };
         let err = projected.validate().unwrap_err().to_string();
         assert!(err.contains("distribution_seeding"), "{err}");
         assert!(err.contains("projected"), "{err}");
-        let cache_aware = PolicyConfig {
-            distribution_seeding: true,
-            ..PolicyConfig::new(PolicyName::CacheAware)
-        };
+        let cache_aware = PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
         cache_aware.validate().unwrap();
     }
 
     #[test]
     fn modes_other_than_the_policy_own_are_rejected_outside_projected() {
-        let ll = PolicyConfig {
-            mode: Mode::Enforce,
-            ..PolicyConfig::new(PolicyName::LeastLoad)
-        };
-        assert!(ll
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("always runs in mode off"));
+        let ll = PolicyConfig { mode: Mode::Enforce, ..PolicyConfig::new(PolicyName::LeastLoad) };
+        assert!(ll.validate().unwrap_err().to_string().contains("always runs in mode off"));
         for mode in [Mode::Off, Mode::Shadow, Mode::Enforce] {
             PolicyConfig::projected(mode).validate().unwrap();
         }
@@ -399,10 +372,7 @@ pub(crate) fn argmin(n: usize, key: impl Fn(usize) -> f64, draw: u64) -> Option<
     let tolerance = 1e-9 * min.abs().max(1.0);
     let tied = |i: &usize| key(*i) - min <= tolerance;
     let count = (0..n).filter(tied).count().max(1);
-    (0..n)
-        .filter(tied)
-        .nth((draw % count as u64) as usize)
-        .or(Some(0))
+    (0..n).filter(tied).nth((draw % count as u64) as usize).or(Some(0))
 }
 
 #[cfg(test)]

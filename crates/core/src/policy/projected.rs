@@ -66,26 +66,18 @@ pub fn kv_barrier_s(usage: f64, cfg: &PolicyConfig) -> f64 {
     } else if usage >= 1.0 {
         KV_BARRIER_MAX_S
     } else {
-        (cfg.kv_barrier_scale_s * (usage - cfg.kv_barrier_threshold) / (1.0 - usage))
-            .min(KV_BARRIER_MAX_S)
+        (cfg.kv_barrier_scale_s * (usage - cfg.kv_barrier_threshold) / (1.0 - usage)).min(KV_BARRIER_MAX_S)
     }
 }
 
 /// Scores one worker for a request of `prompt_tokens` (of which `cached_tokens` are credited) that
 /// may decode `max_tokens`.
-pub fn score(
-    load: &WorkerLoad,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    max_tokens: u64,
-    cfg: &PolicyConfig,
-) -> Terms {
+pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_tokens: u64, cfg: &PolicyConfig) -> Terms {
     let cached = cached_tokens.min(prompt_tokens);
     let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
     let decode_s = load.decode_tokens as f64 / load.decode_tps;
-    let usage = |new_tokens: u64| {
-        (load.kv_tokens + new_tokens + max_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64
-    };
+    let usage =
+        |new_tokens: u64| (load.kv_tokens + new_tokens + max_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64;
     let prefill_s = (prompt_tokens - cached) as f64 / load.prefill_tps;
     let barrier_s = kv_barrier_s(usage(prompt_tokens - cached), cfg);
     let full_prefill_s = prompt_tokens as f64 / load.prefill_tps;
@@ -133,11 +125,7 @@ mod tests {
     #[test]
     fn terms_follow_the_formula() {
         let cfg = PolicyConfig::projected(Mode::Enforce);
-        let load = WorkerLoad {
-            waiting_tokens: 40_000,
-            decode_tokens: 4_000,
-            ..idle()
-        };
+        let load = WorkerLoad { waiting_tokens: 40_000, decode_tokens: 4_000, ..idle() };
         let t = score(&load, 10_000, 8_000, 100, &cfg);
         assert_eq!(t.wait_s, 2.0);
         assert_eq!(t.decode_s, 2.0);
@@ -160,25 +148,11 @@ mod tests {
 
     #[test]
     fn escape_compares_queue_seconds_and_waiting_counts() {
-        let cfg = PolicyConfig {
-            escape_seconds: 1.0,
-            escape_waiting: 3,
-            ..PolicyConfig::default()
-        };
-        let busy = WorkerLoad {
-            waiting_requests: 2,
-            waiting_tokens: 30_000,
-            ..idle()
-        };
-        let (tb, ti) = (
-            score(&busy, 100, 100, 0, &cfg),
-            score(&idle(), 100, 0, 0, &cfg),
-        );
+        let cfg = PolicyConfig { escape_seconds: 1.0, escape_waiting: 3, ..PolicyConfig::default() };
+        let busy = WorkerLoad { waiting_requests: 2, waiting_tokens: 30_000, ..idle() };
+        let (tb, ti) = (score(&busy, 100, 100, 0, &cfg), score(&idle(), 100, 0, 0, &cfg));
         assert!(escape_fires((&tb, &busy), (&ti, &idle()), &cfg));
-        let crowded = WorkerLoad {
-            waiting_requests: 10,
-            ..idle()
-        };
+        let crowded = WorkerLoad { waiting_requests: 10, ..idle() };
         let tc = score(&crowded, 100, 100, 0, &cfg);
         assert!(escape_fires((&tc, &crowded), (&ti, &idle()), &cfg));
         assert!(!escape_fires((&ti, &idle()), (&ti, &idle()), &cfg));

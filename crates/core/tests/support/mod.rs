@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use kvgate_core::{
-    BlockKey, Decision, KvState, LoadSnapshot, Namespace, PolicyConfig, RequestId, RouteRequest,
-    Router, Timestamp, WorkerConfig, WorkerId,
+    BlockKey, Decision, KvState, LoadSnapshot, Namespace, PolicyConfig, RequestId, RouteRequest, Router, Timestamp,
+    WorkerConfig, WorkerId,
 };
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 use rand::SeedableRng;
@@ -30,9 +30,7 @@ pub fn tokens(name: &str, n: usize) -> Vec<u32> {
 pub fn fleet(n: usize, policy: PolicyConfig) -> Router {
     let router = Router::new(BLOCK, policy).unwrap();
     for i in 0..n {
-        router
-            .add_worker(WorkerConfig::new(wid(i)), KvState::Synced)
-            .unwrap();
+        router.add_worker(WorkerConfig::new(wid(i)), KvState::Synced).unwrap();
         router.update_load(&wid(i), idle()).unwrap();
     }
     router
@@ -56,12 +54,10 @@ pub fn busy(waiting: u64, waiting_tokens: u64, running: u64, decode_tokens: u64)
 /// Feeds `tokens` (full blocks only) to `worker` as one BlockStored event, as an engine would.
 pub fn store(router: &Router, worker: &WorkerId, tokens: &[u32]) {
     let blocks = tokens.len() / BLOCK as usize;
-    let base = kvgate_core::hashing::digest_str(worker.as_str())
-        ^ kvgate_core::hashing::digest_str(&format!("{tokens:?}"));
+    let base =
+        kvgate_core::hashing::digest_str(worker.as_str()) ^ kvgate_core::hashing::digest_str(&format!("{tokens:?}"));
     let ev = KvEvent::BlockStored(BlockStored {
-        block_hashes: (0..blocks as u64)
-            .map(|i| EngineHash(base.wrapping_add(i)))
-            .collect(),
+        block_hashes: (0..blocks as u64).map(|i| EngineHash(base.wrapping_add(i))).collect(),
         parent_block_hash: None,
         token_ids: tokens[..blocks * BLOCK as usize].to_vec(),
         block_size: BLOCK,
@@ -90,12 +86,7 @@ impl Req {
     }
 
     pub fn route(&self) -> RouteRequest<'_> {
-        RouteRequest {
-            id: self.id,
-            keys: &self.keys,
-            prompt_tokens: self.prompt_tokens,
-            max_tokens: self.max_tokens,
-        }
+        RouteRequest { id: self.id, keys: &self.keys, prompt_tokens: self.prompt_tokens, max_tokens: self.max_tokens }
     }
 }
 

@@ -21,29 +21,15 @@ use crate::{engines, GatewayError};
 fn gateway_error(e: GatewayError) -> ApiError {
     match e {
         GatewayError::NotFound(m) => ApiError::NotFound(m),
-        GatewayError::Conflict(m) | GatewayError::Config(m) => ApiError::InvalidRequest {
-            param: None,
-            message: m,
-        },
-        other => ApiError::InvalidRequest {
-            param: None,
-            message: other.to_string(),
-        },
+        GatewayError::Conflict(m) | GatewayError::Config(m) => ApiError::InvalidRequest { param: None, message: m },
+        other => ApiError::InvalidRequest { param: None, message: other.to_string() },
     }
 }
 
 /// `GET /admin/workers`.
-pub async fn list_workers(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
+pub async fn list_workers(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
-    let views: Vec<_> = state
-        .engines
-        .read()
-        .values()
-        .map(|e| e.view(&state))
-        .collect();
+    let views: Vec<_> = state.engines.read().values().map(|e| e.view(&state)).collect();
     Ok(Json(json!({ "workers": views })))
 }
 
@@ -55,18 +41,12 @@ pub async fn add_worker(
 ) -> Result<Response, ApiError> {
     check_admin(&state, &headers)?;
     let (_, value) = read_json(&state, body).await?;
-    let spec: WorkerSpec = serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest {
-        param: None,
-        message: e.to_string(),
-    })?;
+    let spec: WorkerSpec =
+        serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     let handle = state.add_engine(&spec).map_err(gateway_error)?;
     engines::start(&state, &handle);
     tracing::info!(engine = %handle.id, url = %handle.base, "worker added");
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({ "worker": handle.view(&state) })),
-    )
-        .into_response())
+    Ok((StatusCode::CREATED, Json(json!({ "worker": handle.view(&state) }))).into_response())
 }
 
 #[derive(Deserialize)]
@@ -92,15 +72,12 @@ pub async fn remove_worker_by_body(
 ) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
     let (_, value) = read_json(&state, body).await?;
-    let b: RemoveBody =
-        serde_json::from_value(value).map_err(|e| ApiError::invalid("id", e.to_string()))?;
+    let b: RemoveBody = serde_json::from_value(value).map_err(|e| ApiError::invalid("id", e.to_string()))?;
     remove(&state, &b.id)
 }
 
 fn remove(state: &AppState, id: &str) -> Result<Json<Value>, ApiError> {
-    state
-        .remove_engine(&WorkerId::new(id))
-        .map_err(gateway_error)?;
+    state.remove_engine(&WorkerId::new(id)).map_err(gateway_error)?;
     tracing::info!(engine = id, "worker removed");
     Ok(Json(json!({ "removed": id })))
 }
@@ -112,10 +89,7 @@ fn policy_json(state: &AppState) -> Value {
 }
 
 /// `GET /admin/policy`.
-pub async fn get_policy(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
+pub async fn get_policy(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
     Ok(Json(policy_json(&state)))
 }
@@ -146,17 +120,11 @@ pub async fn put_policy(
 ) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
     let (_, value) = read_json(&state, body).await?;
-    let u: PolicyUpdate = serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest {
-        param: None,
-        message: e.to_string(),
-    })?;
+    let u: PolicyUpdate =
+        serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     let mut cfg = state.router.policy();
     if let Some(name) = u.name {
-        let mode = u.mode.unwrap_or(if name == cfg.name {
-            cfg.mode
-        } else {
-            name.default_mode()
-        });
+        let mode = u.mode.unwrap_or(if name == cfg.name { cfg.mode } else { name.default_mode() });
         cfg = PolicyConfig { name, mode, ..cfg };
     }
     cfg.mode = u.mode.unwrap_or(cfg.mode);
@@ -170,20 +138,10 @@ pub async fn put_policy(
     cfg.balance_rel = u.balance_rel.unwrap_or(cfg.balance_rel);
     cfg.distribution_seeding = u.distribution_seeding.unwrap_or(cfg.distribution_seeding);
     let admission = match u.admission_wait_s {
-        Some(v) => Some(
-            ADMISSION_WAIT_S
-                .check(v)
-                .map_err(|e| ApiError::invalid("admission_wait_s", e.to_string()))?,
-        ),
+        Some(v) => Some(ADMISSION_WAIT_S.check(v).map_err(|e| ApiError::invalid("admission_wait_s", e.to_string()))?),
         None => None,
     };
-    state
-        .router
-        .set_policy(cfg)
-        .map_err(|e| ApiError::InvalidRequest {
-            param: None,
-            message: e.to_string(),
-        })?;
+    state.router.set_policy(cfg).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     if let Some(a) = admission {
         state.runtime.write().admission_wait_s = a;
     }
@@ -198,13 +156,10 @@ pub async fn decide(
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
-    let (_, value) = read_json(&state, body).await?;
+    let (bytes, value) = read_json(&state, body).await?;
     let endpoint = Endpoint::infer(&value);
-    let parsed = parse_off_thread(&state, endpoint, value).await?;
-    let keys = state.router.request_keys(
-        Namespace::new(None, parsed.cache_salt.as_deref()),
-        &parsed.tokens,
-    );
+    let parsed = parse_off_thread(&state, endpoint, value, bytes.len()).await?;
+    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
     let route = RouteRequest {
         id: RequestId(0),
         keys: &keys,
@@ -216,9 +171,7 @@ pub async fn decide(
         state.router.preview(&route, state.clock.now(), &mut *rng)
     }
     .map_err(|_| ApiError::NoEligibleWorker)?;
-    Ok(Json(
-        json!({ "endpoint": endpoint.path(), "decision": decision }),
-    ))
+    Ok(Json(json!({ "endpoint": endpoint.path(), "decision": decision })))
 }
 
 #[derive(Deserialize)]

@@ -29,17 +29,9 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .route(
-            "/admin/workers",
-            get(admin::list_workers)
-                .post(admin::add_worker)
-                .delete(admin::remove_worker_by_body),
-        )
+        .route("/admin/workers", get(admin::list_workers).post(admin::add_worker).delete(admin::remove_worker_by_body))
         .route("/admin/workers/{id}", delete(admin::remove_worker))
-        .route(
-            "/admin/policy",
-            get(admin::get_policy).put(admin::put_policy),
-        )
+        .route("/admin/policy", get(admin::get_policy).put(admin::put_policy))
         .route("/admin/decide", post(admin::decide))
         .route("/admin/decisions", get(admin::decisions))
         .fallback(not_found)
@@ -47,11 +39,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::NotFound(format!(
-        "no route for {} {}",
-        req.method(),
-        req.uri().path()
-    ))
+    ApiError::NotFound(format!("no route for {} {}", req.method(), req.uri().path()))
 }
 
 /// The bearer token or `x-api-key` header.
@@ -95,37 +83,36 @@ pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), A
 pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Value), ApiError> {
     let limit = state.config.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| {
-            s.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-        }) || e.to_string().contains("length limit");
+        let too_large = std::error::Error::source(&e)
+            .is_some_and(|s| s.downcast_ref::<http_body_util::LengthLimitError>().is_some())
+            || e.to_string().contains("length limit");
         if too_large {
             ApiError::PayloadTooLarge(limit)
         } else {
-            ApiError::InvalidRequest {
-                param: None,
-                message: format!("cannot read the request body: {e}"),
-            }
+            ApiError::InvalidRequest { param: None, message: format!("cannot read the request body: {e}") }
         }
     })?;
     let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     Ok((bytes, value))
 }
 
+/// Bodies above this size are tokenized on the blocking pool; smaller ones take microseconds and
+/// are cheaper to tokenize in place than to hand to another thread.
+const INLINE_TOKENIZE_BYTES: usize = 64 * 1024;
+
 /// Tokenizing a large prompt is CPU work: keep it off the async workers.
 pub(crate) async fn parse_off_thread(
     state: &Arc<AppState>,
     endpoint: Endpoint,
     value: Value,
+    body_len: usize,
 ) -> Result<request::Parsed, ApiError> {
+    if body_len <= INLINE_TOKENIZE_BYTES {
+        return request::parse(endpoint, &value, state.tokenizer.as_ref(), state.config.assumed_decode_tokens);
+    }
     let s = state.clone();
     tokio::task::spawn_blocking(move || {
-        request::parse(
-            endpoint,
-            &value,
-            s.tokenizer.as_ref(),
-            s.config.assumed_decode_tokens,
-        )
+        request::parse(endpoint, &value, s.tokenizer.as_ref(), s.config.assumed_decode_tokens)
     })
     .await
     .map_err(|_| ApiError::Internal)?
@@ -135,31 +122,24 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     let known = state.models.read();
     match model {
         // Until an engine has reported its models, any name is let through to the engines.
-        Some(m) if !known.is_empty() && !known.contains(m) => {
-            Err(ApiError::ModelNotFound(m.to_owned()))
-        }
+        Some(m) if !known.is_empty() && !known.contains(m) => Err(ApiError::ModelNotFound(m.to_owned())),
         _ => Ok(()),
     }
 }
 
-async fn infer(
-    state: Arc<AppState>,
-    endpoint: Endpoint,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
+async fn infer(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let result = async {
         check_client(&state, &headers)?;
         let (bytes, value) = read_json(&state, body).await?;
-        let parsed = parse_off_thread(&state, endpoint, value).await?;
+        let parsed = parse_off_thread(&state, endpoint, value, bytes.len()).await?;
         check_model(&state, parsed.model.as_deref())?;
         Ok::<_, ApiError>((bytes, parsed))
     }
     .await;
     match result {
-        Ok((bytes, parsed)) => proxy::dispatch(state, endpoint, bytes, parsed)
-            .await
-            .unwrap_or_else(IntoResponse::into_response),
+        Ok((bytes, parsed)) => {
+            proxy::dispatch(state, endpoint, bytes, parsed).await.unwrap_or_else(IntoResponse::into_response)
+        }
         Err(e) => {
             state.metrics.request(e.status().as_u16(), None);
             e.into_response()
@@ -171,11 +151,7 @@ async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body
     infer(state, Endpoint::Chat, headers, body).await
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
+async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     infer(state, Endpoint::Completions, headers, body).await
 }
 
@@ -183,17 +159,10 @@ async fn generate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
     infer(state, Endpoint::Generate, headers, body).await
 }
 
-async fn models(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_client(&state, &headers)?;
-    let data: Vec<Value> = state
-        .models
-        .read()
-        .iter()
-        .map(|m| json!({"id": m, "object": "model", "owned_by": "kvgate"}))
-        .collect();
+    let data: Vec<Value> =
+        state.models.read().iter().map(|m| json!({"id": m, "object": "model", "owned_by": "kvgate"})).collect();
     Ok(Json(json!({"object": "list", "data": data})))
 }
 
@@ -202,31 +171,12 @@ async fn health() -> Json<Value> {
 }
 
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let eligible = state
-        .router
-        .workers(state.clock.now())
-        .iter()
-        .filter(|w| w.eligible)
-        .count();
-    let status = if eligible > 0 {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (
-        status,
-        Json(json!({"ready": eligible > 0, "eligible_workers": eligible})),
-    )
-        .into_response()
+    let eligible = state.router.workers(state.clock.now()).iter().filter(|w| w.eligible).count();
+    let status = if eligible > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": eligible > 0, "eligible_workers": eligible}))).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.render(),
-    )
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
         .into_response()
 }

@@ -78,32 +78,17 @@ fn opt_count(obj: &Value, key: &str) -> Result<Option<u64>, ApiError> {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
             Some(n) if n <= MAX_OUTPUT_TOKENS => Ok(Some(n)),
-            _ => Err(ApiError::invalid(
-                key,
-                format!("`{key}` must be an integer from 0 to {MAX_OUTPUT_TOKENS}"),
-            )),
+            _ => Err(ApiError::invalid(key, format!("`{key}` must be an integer from 0 to {MAX_OUTPUT_TOKENS}"))),
         },
     }
 }
 
 fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            param,
-            format!(
-                "`{param}` token ids must be integers from 0 to {}",
-                u32::MAX
-            ),
-        )
-    };
+    let bad = || ApiError::invalid(param, format!("`{param}` token ids must be integers from 0 to {}", u32::MAX));
     v.as_array()
         .ok_or_else(bad)?
         .iter()
-        .map(|t| {
-            t.as_u64()
-                .and_then(|t| u32::try_from(t).ok())
-                .ok_or_else(bad)
-        })
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(bad))
         .collect()
 }
 
@@ -116,79 +101,64 @@ pub fn parse(
     default_max_tokens: u64,
 ) -> Result<Parsed, ApiError> {
     if !body.is_object() {
-        return Err(ApiError::InvalidRequest {
-            param: None,
-            message: "the request body must be a JSON object".into(),
-        });
+        return Err(ApiError::InvalidRequest { param: None, message: "the request body must be a JSON object".into() });
     }
     let model = opt_str(body, "model")?.map(str::to_owned);
-    let cache_salt = opt_str(body, "cache_salt")?
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned);
+    let cache_salt = opt_str(body, "cache_salt")?.filter(|s| !s.is_empty()).map(str::to_owned);
     let stream = opt_bool(body, "stream")?;
-    let tokenize_err = |e: crate::tokenize::TokenizeError| ApiError::InvalidRequest {
-        param: None,
-        message: e.to_string(),
-    };
+    let tokenize_err =
+        |e: crate::tokenize::TokenizeError| ApiError::InvalidRequest { param: None, message: e.to_string() };
     let (tokens, max_tokens) = match endpoint {
         Endpoint::Chat => {
             let messages = body
                 .get("messages")
                 .and_then(Value::as_array)
                 .filter(|m| !m.is_empty())
-                .ok_or_else(|| {
-                    ApiError::invalid("messages", "`messages` must be a non-empty array")
-                })?;
+                .ok_or_else(|| ApiError::invalid("messages", "`messages` must be a non-empty array"))?;
             for (i, m) in messages.iter().enumerate() {
                 let role_ok = m.get("role").is_some_and(Value::is_string);
-                let content_ok = matches!(
-                    m.get("content"),
-                    None | Some(Value::Null | Value::String(_) | Value::Array(_))
-                );
+                let content_ok =
+                    matches!(m.get("content"), None | Some(Value::Null | Value::String(_) | Value::Array(_)));
                 if !m.is_object() || !role_ok || !content_ok {
                     return Err(ApiError::invalid(
                         &format!("messages[{i}]"),
-                        format!("`messages[{i}]` must be an object with a string `role` and a string or array `content`"),
+                        format!(
+                            "`messages[{i}]` must be an object with a string `role` and a string or array `content`"
+                        ),
                     ));
                 }
             }
             let max = opt_count(body, "max_completion_tokens")?.or(opt_count(body, "max_tokens")?);
-            (
-                tokenizer
-                    .encode_chat(messages, body)
-                    .map_err(tokenize_err)?,
-                max,
-            )
+            (tokenizer.encode_chat(messages, body).map_err(tokenize_err)?, max)
         }
         Endpoint::Completions => {
-            let prompt = body
-                .get("prompt")
-                .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
-            let tokens =
-                match prompt {
-                    Value::String(s) => tokenizer.encode_prompt(s).map_err(tokenize_err)?,
-                    Value::Array(items) if items.is_empty() => {
-                        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
+            let prompt = body.get("prompt").ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+            let tokens = match prompt {
+                Value::String(s) => tokenizer.encode_prompt(s).map_err(tokenize_err)?,
+                Value::Array(items) if items.is_empty() => {
+                    return Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
+                }
+                Value::Array(items) => match &items[0] {
+                    // Several prompts are served by one engine; the first one places the request.
+                    Value::String(s) if items.iter().all(Value::is_string) => {
+                        tokenizer.encode_prompt(s).map_err(tokenize_err)?
                     }
-                    Value::Array(items) => match &items[0] {
-                        // Several prompts are served by one engine; the first one places the request.
-                        Value::String(s) if items.iter().all(Value::is_string) => {
-                            tokenizer.encode_prompt(s).map_err(tokenize_err)?
-                        }
-                        Value::Number(_) => token_ids(prompt, "prompt")?,
-                        Value::Array(_) => token_ids(&items[0], "prompt")?,
-                        _ => return Err(ApiError::invalid(
-                            "prompt",
-                            "`prompt` must be a string, strings, token ids or lists of token ids",
-                        )),
-                    },
+                    Value::Number(_) => token_ids(prompt, "prompt")?,
+                    Value::Array(_) => token_ids(&items[0], "prompt")?,
                     _ => {
                         return Err(ApiError::invalid(
                             "prompt",
                             "`prompt` must be a string, strings, token ids or lists of token ids",
                         ))
                     }
-                };
+                },
+                _ => {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        "`prompt` must be a string, strings, token ids or lists of token ids",
+                    ))
+                }
+            };
             (tokens, opt_count(body, "max_tokens")?)
         }
         Endpoint::Generate => {
@@ -199,37 +169,19 @@ pub fn parse(
                 },
                 (_, Some(Value::String(t))) => tokenizer.encode_prompt(t).map_err(tokenize_err)?,
                 (_, Some(Value::Array(ts))) if ts.first().is_some_and(Value::is_string) => {
-                    tokenizer
-                        .encode_prompt(ts[0].as_str().unwrap_or_default())
-                        .map_err(tokenize_err)?
+                    tokenizer.encode_prompt(ts[0].as_str().unwrap_or_default()).map_err(tokenize_err)?
                 }
-                _ => {
-                    return Err(ApiError::invalid(
-                        "text",
-                        "`/generate` needs `text` or `input_ids`",
-                    ))
-                }
+                _ => return Err(ApiError::invalid("text", "`/generate` needs `text` or `input_ids`")),
             };
             let max = match body.get("sampling_params") {
                 None | Some(Value::Null) => None,
                 Some(sp) if sp.is_object() => opt_count(sp, "max_new_tokens")?,
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        "sampling_params",
-                        "`sampling_params` must be an object",
-                    ))
-                }
+                Some(_) => return Err(ApiError::invalid("sampling_params", "`sampling_params` must be an object")),
             };
             (tokens, max)
         }
     };
-    Ok(Parsed {
-        tokens,
-        max_tokens: max_tokens.unwrap_or(default_max_tokens),
-        stream,
-        model,
-        cache_salt,
-    })
+    Ok(Parsed { tokens, max_tokens: max_tokens.unwrap_or(default_max_tokens), stream, model, cache_salt })
 }
 
 #[cfg(test)]
@@ -244,19 +196,17 @@ mod tests {
 
     #[test]
     fn each_endpoint_reads_its_prompt_and_limits() {
-        let chat = p(Endpoint::Chat, json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": true})).unwrap();
-        assert_eq!(
-            (chat.max_tokens, chat.stream, chat.model.as_deref()),
-            (9, true, Some("m"))
-        );
+        let chat = p(
+            Endpoint::Chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": true}),
+        )
+        .unwrap();
+        assert_eq!((chat.max_tokens, chat.stream, chat.model.as_deref()), (9, true, Some("m")));
         assert!(!chat.tokens.is_empty());
         let ids = p(Endpoint::Completions, json!({"prompt": [1, 2, 3]})).unwrap();
         assert_eq!((ids.tokens, ids.max_tokens), (vec![1, 2, 3], 256));
-        let gen = p(
-            Endpoint::Generate,
-            json!({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}),
-        )
-        .unwrap();
+        let gen =
+            p(Endpoint::Generate, json!({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}})).unwrap();
         assert_eq!((gen.tokens, gen.max_tokens), (vec![5, 6], 4));
         let text = p(Endpoint::Generate, json!({"text": "hello there"})).unwrap();
         assert_eq!(text.tokens, BuiltinTokenizer::encode("hello there"));
@@ -268,54 +218,21 @@ mod tests {
             Err(ApiError::InvalidRequest { param, .. }) => param,
             other => panic!("{other:?}"),
         };
+        assert_eq!(param(Endpoint::Chat, json!({"messages": []})), Some("messages".into()));
+        assert_eq!(param(Endpoint::Chat, json!({"messages": [{"content": "x"}]})), Some("messages[0]".into()));
         assert_eq!(
-            param(Endpoint::Chat, json!({"messages": []})),
-            Some("messages".into())
-        );
-        assert_eq!(
-            param(Endpoint::Chat, json!({"messages": [{"content": "x"}]})),
+            param(Endpoint::Chat, json!({"messages": [{"role": "user", "content": 3}]})),
             Some("messages[0]".into())
         );
+        assert_eq!(param(Endpoint::Chat, json!({"model": 7, "messages": [{"role": "u"}]})), Some("model".into()));
+        assert_eq!(param(Endpoint::Chat, json!({"stream": "yes", "messages": [{"role": "u"}]})), Some("stream".into()));
         assert_eq!(
-            param(
-                Endpoint::Chat,
-                json!({"messages": [{"role": "user", "content": 3}]})
-            ),
-            Some("messages[0]".into())
-        );
-        assert_eq!(
-            param(
-                Endpoint::Chat,
-                json!({"model": 7, "messages": [{"role": "u"}]})
-            ),
-            Some("model".into())
-        );
-        assert_eq!(
-            param(
-                Endpoint::Chat,
-                json!({"stream": "yes", "messages": [{"role": "u"}]})
-            ),
-            Some("stream".into())
-        );
-        assert_eq!(
-            param(
-                Endpoint::Chat,
-                json!({"max_tokens": -1, "messages": [{"role": "u"}]})
-            ),
+            param(Endpoint::Chat, json!({"max_tokens": -1, "messages": [{"role": "u"}]})),
             Some("max_tokens".into())
         );
-        assert_eq!(
-            param(Endpoint::Completions, json!({"prompt": [1, -2]})),
-            Some("prompt".into())
-        );
-        assert_eq!(
-            param(Endpoint::Completions, json!({})),
-            Some("prompt".into())
-        );
+        assert_eq!(param(Endpoint::Completions, json!({"prompt": [1, -2]})), Some("prompt".into()));
+        assert_eq!(param(Endpoint::Completions, json!({})), Some("prompt".into()));
         assert_eq!(param(Endpoint::Generate, json!({})), Some("text".into()));
-        assert!(matches!(
-            p(Endpoint::Chat, json!([1])),
-            Err(ApiError::InvalidRequest { param: None, .. })
-        ));
+        assert!(matches!(p(Endpoint::Chat, json!([1])), Err(ApiError::InvalidRequest { param: None, .. })));
     }
 }

@@ -24,8 +24,8 @@ impl BuiltinTokenizer {
         let mut start = 0;
         let mut chars = text.char_indices().peekable();
         while let Some((i, c)) = chars.next() {
-            let word_start = c.is_alphanumeric()
-                || (c == ' ' && chars.peek().is_some_and(|(_, n)| n.is_alphanumeric()));
+            let word_start =
+                c.is_alphanumeric() || (c == ' ' && chars.peek().is_some_and(|(_, n)| n.is_alphanumeric()));
             if word_start {
                 while chars.peek().is_some_and(|(_, n)| n.is_alphanumeric()) {
                     chars.next();
@@ -82,11 +82,7 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(BuiltinTokenizer::encode("hello world").len(), 2);
         assert!(BuiltinTokenizer::encode("").is_empty());
-        assert_eq!(
-            BuiltinTokenizer::encode("naïve 東京, ok").len(),
-            4,
-            "naïve | 東京 | , | ok"
-        );
+        assert_eq!(BuiltinTokenizer::encode("naïve 東京, ok").len(), 4, "naïve | 東京 | , | ok");
     }
 
     #[test]
@@ -95,9 +91,6 @@ mod tests {
             json!({"role": "system", "content": "be brief"}),
             json!({"role": "user", "content": [{"type": "text", "text": "hi"}]}),
         ];
-        assert_eq!(
-            BuiltinTokenizer::render(&m),
-            "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
-        );
+        assert_eq!(BuiltinTokenizer::render(&m), "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n");
     }
 }

@@ -20,20 +20,14 @@ pub struct HfTokenizer {
 
 impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HfTokenizer")
-            .field("source", &self.source)
-            .finish_non_exhaustive()
+        f.debug_struct("HfTokenizer").field("source", &self.source).finish_non_exhaustive()
     }
 }
 
 fn special(config: &Value, key: &str) -> String {
     match config.get(key) {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Object(o)) => o
-            .get("content")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned(),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default().to_owned(),
         _ => String::new(),
     }
 }
@@ -42,19 +36,17 @@ impl HfTokenizer {
     /// Loads `tokenizer.json`. The chat template comes from `template` (a `tokenizer_config.json` or
     /// a `.jinja` file), or from a `tokenizer_config.json` next to the tokenizer.
     pub fn load(path: &Path, template: Option<&Path>) -> Result<Self, TokenizeError> {
-        let tokenizer = Tokenizer::from_file(path)
-            .map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))?;
+        let tokenizer =
+            Tokenizer::from_file(path).map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))?;
         let sibling = path.with_file_name("tokenizer_config.json");
-        let template_path = template
-            .map(Path::to_path_buf)
-            .or_else(|| sibling.exists().then_some(sibling));
+        let template_path = template.map(Path::to_path_buf).or_else(|| sibling.exists().then_some(sibling));
         let (mut source, mut bos_token, mut eos_token) = (None, String::new(), String::new());
         if let Some(tp) = &template_path {
-            let text = std::fs::read_to_string(tp)
-                .map_err(|e| TokenizeError::Load(format!("{}: {e}", tp.display())))?;
+            let text =
+                std::fs::read_to_string(tp).map_err(|e| TokenizeError::Load(format!("{}: {e}", tp.display())))?;
             if tp.extension().is_some_and(|e| e == "json") {
-                let config: Value = serde_json::from_str(&text)
-                    .map_err(|e| TokenizeError::Load(format!("{}: {e}", tp.display())))?;
+                let config: Value =
+                    serde_json::from_str(&text).map_err(|e| TokenizeError::Load(format!("{}: {e}", tp.display())))?;
                 bos_token = special(&config, "bos_token");
                 eos_token = special(&config, "eos_token");
                 source = match config.get("chat_template") {
@@ -78,28 +70,19 @@ impl HfTokenizer {
         });
         let has_template = source.is_some();
         if let Some(src) = source {
-            env.add_template_owned("chat", src)
-                .map_err(|e| TokenizeError::Load(format!("chat template: {e}")))?;
+            env.add_template_owned("chat", src).map_err(|e| TokenizeError::Load(format!("chat template: {e}")))?;
         }
-        Ok(HfTokenizer {
-            tokenizer,
-            env,
-            has_template,
-            bos_token,
-            eos_token,
-            source: format!("hf:{}", path.display()),
-        })
+        Ok(HfTokenizer { tokenizer, env, has_template, bos_token, eos_token, source: format!("hf:{}", path.display()) })
     }
 
     /// Renders chat messages with the template.
     pub fn render(&self, messages: &[Value], body: &Value) -> Result<String, TokenizeError> {
         if !self.has_template {
-            return Err(TokenizeError::Template("no chat template: pass --chat-template or put tokenizer_config.json beside tokenizer.json".into()));
+            return Err(TokenizeError::Template(
+                "no chat template: pass --chat-template or put tokenizer_config.json beside tokenizer.json".into(),
+            ));
         }
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
             tools => body.get("tools"),
@@ -157,14 +140,9 @@ mod tests {
         .unwrap();
         let t = HfTokenizer::load(&dir.join("tokenizer.json"), None).unwrap();
         assert_eq!(t.encode_prompt("hello world").unwrap(), vec![1, 2]);
-        let ids = t
-            .encode_chat(&[json!({"role": "user", "content": " hello "})], &json!({}))
-            .unwrap();
+        let ids = t.encode_chat(&[json!({"role": "user", "content": " hello "})], &json!({})).unwrap();
         assert_eq!(ids, vec![3, 4, 5, 1, 6, 5]);
-        let no_template = HfTokenizer::load(
-            &dir.join("tokenizer.json"),
-            Some(&dir.join("missing.jinja")),
-        );
+        let no_template = HfTokenizer::load(&dir.join("tokenizer.json"), Some(&dir.join("missing.jinja")));
         assert!(no_template.is_err());
         std::fs::remove_dir_all(dir).ok();
     }

@@ -46,13 +46,9 @@ pub trait PromptTokenizer: Send + Sync {
 pub fn build(spec: &TokenizerSpec) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
     Ok(match spec {
         TokenizerSpec::Builtin => Arc::new(BuiltinTokenizer),
-        TokenizerSpec::Hf {
-            path,
-            chat_template,
-        } => Arc::new(HfTokenizer::load(
-            path.as_ref(),
-            chat_template.as_deref().map(AsRef::as_ref),
-        )?),
+        TokenizerSpec::Hf { path, chat_template } => {
+            Arc::new(HfTokenizer::load(path.as_ref(), chat_template.as_deref().map(AsRef::as_ref))?)
+        }
     })
 }
 
@@ -60,11 +56,9 @@ pub fn build(spec: &TokenizerSpec) -> Result<Arc<dyn PromptTokenizer>, TokenizeE
 pub fn content_text(content: &Value) -> String {
     match content {
         Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(""),
+        Value::Array(parts) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("")
+        }
         _ => String::new(),
     }
 }

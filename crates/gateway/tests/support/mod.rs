@@ -18,10 +18,7 @@ use serde_json::{json, Value};
 
 /// A recorded SSE stream from `../shared/data/sse/`, or a synthetic one when shared data is absent.
 pub fn recorded_stream(name: &str) -> String {
-    let path = format!(
-        "{}/../../../shared/data/sse/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = format!("{}/../../../shared/data/sse/{name}", env!("CARGO_MANIFEST_DIR"));
     std::fs::read_to_string(&path).unwrap_or_else(|_| {
         eprintln!("{path} not found; using a synthetic stream");
         (0..20)
@@ -104,16 +101,10 @@ fn stream_events(b: &Behavior, text: String) -> Response {
                 return None;
             }
             tokio::time::sleep(delay).await;
-            Some((
-                Ok::<_, std::io::Error>(Bytes::from(events[i].clone())),
-                i + 1,
-            ))
+            Some((Ok::<_, std::io::Error>(Bytes::from(events[i].clone())), i + 1))
         }
     });
-    Response::builder()
-        .header("content-type", "text/event-stream")
-        .body(Body::from_stream(stream))
-        .unwrap()
+    Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
 }
 
 async fn inference(engine: FakeEngine, path: &str, body: Bytes) -> Response {
@@ -152,6 +143,9 @@ pub async fn fake_engine() -> FakeEngine {
             Json(json!({"loads": [{"dp_rank": 0, "num_waiting_reqs": w, "num_waiting_uncached_tokens": t, "num_running_reqs": r, "token_usage": 0.1}]}))
         }))
         .with_state(engine.clone());
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     engine
 }
@@ -179,23 +173,11 @@ impl Gateway {
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
-        self.client
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .unwrap()
+        self.client.post(self.url(path)).json(body).send().await.unwrap()
     }
 
     pub async fn get_json(&self, path: &str) -> Value {
-        self.client
-            .get(self.url(path))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.client.get(self.url(path)).send().await.unwrap().json().await.unwrap()
     }
 
     /// Signals shutdown (the server drains) and returns the server task.
@@ -209,21 +191,14 @@ impl Gateway {
     pub async fn wait_for_load(&self) {
         let ok = self
             .eventually(Duration::from_secs(3), |s| {
-                s.router
-                    .workers(s.clock.now())
-                    .iter()
-                    .all(|w| w.load_age_ms.is_some())
+                s.router.workers(s.clock.now()).iter().all(|w| w.load_age_ms.is_some())
             })
             .await;
         assert!(ok, "load reports did not arrive");
     }
 
     /// Polls until `f` holds or `timeout` passes.
-    pub async fn eventually(
-        &self,
-        timeout: Duration,
-        mut f: impl FnMut(&AppState) -> bool,
-    ) -> bool {
+    pub async fn eventually(&self, timeout: Duration, mut f: impl FnMut(&AppState) -> bool) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         while tokio::time::Instant::now() < deadline {
             if f(&self.state) {
@@ -238,11 +213,8 @@ impl Gateway {
 /// Base TOML for tests: fast polls and health checks.
 pub fn base_toml(urls: &[String], extra: &str) -> String {
     let fast = "[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 100\n";
-    let mut s = if extra.contains("[telemetry]\n") {
-        extra.replace("[telemetry]\n", fast)
-    } else {
-        format!("{fast}{extra}")
-    };
+    let mut s =
+        if extra.contains("[telemetry]\n") { extra.replace("[telemetry]\n", fast) } else { format!("{fast}{extra}") };
     s.push('\n');
     for u in urls {
         s.push_str(&format!("[[workers]]\nurl = \"{u}\"\n"));
@@ -266,13 +238,7 @@ pub async fn gateway(toml: &str) -> Gateway {
         .await
         .unwrap();
     });
-    Gateway {
-        addr,
-        state,
-        shutdown: Some(tx),
-        task,
-        client: reqwest::Client::new(),
-    }
+    Gateway { addr, state, shutdown: Some(tx), task, client: reqwest::Client::new() }
 }
 
 /// A small chat request.

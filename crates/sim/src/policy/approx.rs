@@ -28,12 +28,7 @@ pub struct ApproxIndex {
 impl ApproxIndex {
     /// An empty index.
     pub fn new(workers: usize, ttl: Duration, max_entries: usize) -> Self {
-        ApproxIndex {
-            entries: FxHashMap::default(),
-            per_worker: vec![0; workers],
-            ttl,
-            max_entries,
-        }
+        ApproxIndex { entries: FxHashMap::default(), per_worker: vec![0; workers], ttl, max_entries }
     }
 
     fn live(&self, touched: Timestamp, now: Timestamp) -> bool {
@@ -71,11 +66,8 @@ impl ApproxIndex {
             !holders.is_empty()
         });
         if self.entries.len() > self.max_entries {
-            let mut ages: Vec<Timestamp> = self
-                .entries
-                .values()
-                .map(|h| h.iter().map(|(_, t)| *t).max().unwrap_or_default())
-                .collect();
+            let mut ages: Vec<Timestamp> =
+                self.entries.values().map(|h| h.iter().map(|(_, t)| *t).max().unwrap_or_default()).collect();
             let cut = self.entries.len() - self.max_entries;
             ages.select_nth_unstable(cut);
             let threshold = ages[cut];
@@ -130,9 +122,7 @@ pub struct SglangV04 {
 impl SglangV04 {
     /// A router for `fleet`.
     pub fn new(fleet: &FleetInfo) -> Self {
-        SglangV04 {
-            tree: ApproxIndex::new(fleet.workers, Duration::from_secs(60), 1 << 20),
-        }
+        SglangV04 { tree: ApproxIndex::new(fleet.workers, Duration::from_secs(60), 1 << 20) }
     }
 }
 
@@ -156,11 +146,7 @@ impl SimPolicy for SglangV04 {
         } else {
             let depth = self.tree.overlaps(keys, now);
             let best = h.iter().map(|&w| depth[w]).max().unwrap_or(0);
-            let rate = if keys.is_empty() {
-                0.0
-            } else {
-                best as f64 / keys.len() as f64
-            };
+            let rate = if keys.is_empty() { 0.0 } else { best as f64 / keys.len() as f64 };
             if rate > 0.5 {
                 let holders: Vec<usize> = h.iter().copied().filter(|&w| depth[w] == best).collect();
                 uniform(&holders, rng)?
@@ -183,9 +169,7 @@ pub struct Aibrix {
 impl Aibrix {
     /// A router for `fleet`.
     pub fn new(fleet: &FleetInfo) -> Self {
-        Aibrix {
-            tree: ApproxIndex::new(fleet.workers, Duration::from_secs(20 * 60), 200_000),
-        }
+        Aibrix { tree: ApproxIndex::new(fleet.workers, Duration::from_secs(20 * 60), 200_000) }
     }
 }
 
@@ -212,11 +196,7 @@ impl SimPolicy for Aibrix {
         };
         let n = ready.len() as f64;
         let mean = ready.iter().map(|&w| r(w)).sum::<f64>() / n;
-        let var = if n > 1.0 {
-            ready.iter().map(|&w| (r(w) - mean).powi(2)).sum::<f64>() / (n - 1.0)
-        } else {
-            0.0
-        };
+        let var = if n > 1.0 { ready.iter().map(|&w| (r(w) - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
         let limit = mean + var.sqrt();
         let depth = self.tree.overlaps(keys, now);
         let blocks = keys.len().max(1) as u64;
@@ -226,12 +206,7 @@ impl SimPolicy for Aibrix {
             use rand::Rng;
             matched.swap(i, rng.random_range(0..=i));
         }
-        matched.sort_by_key(|&w| {
-            (
-                std::cmp::Reverse(100 * depth[w] as u64 / blocks),
-                view[w].in_flight,
-            )
-        });
+        matched.sort_by_key(|&w| (std::cmp::Reverse(100 * depth[w] as u64 / blocks), view[w].in_flight));
         let w = match matched.into_iter().find(|&w| r(w) <= limit) {
             Some(w) => w,
             None => uniform(&argmin_set(&ready, |w| view[w].in_flight), rng)?,
@@ -270,14 +245,9 @@ impl SimPolicy for Lmetric {
         let depth = self.tree.overlaps(keys, now);
         let l = req.prompt_tokens;
         let new_prefill = |w: usize| l.saturating_sub(depth[w] as u64 * PAGE_TOKENS as u64);
-        let w = healthy(view).into_iter().min_by_key(|&w| {
-            (
-                new_prefill(w) * (view[w].in_flight + 1),
-                view[w].in_flight,
-                new_prefill(w),
-                w,
-            )
-        })?;
+        let w = healthy(view)
+            .into_iter()
+            .min_by_key(|&w| (new_prefill(w) * (view[w].in_flight + 1), view[w].in_flight, new_prefill(w), w))?;
         self.tree.insert(keys, w, now);
         self.inflight.insert(req.id, w);
         Some(Pick::of(w))
@@ -297,14 +267,8 @@ mod tests {
         let mut idx = ApproxIndex::new(2, Duration::from_secs(10), 4);
         let keys: Vec<BlockKey> = (0..3).map(BlockKey).collect();
         idx.insert(&keys, 0, Timestamp::ZERO);
-        assert_eq!(
-            idx.overlaps(&keys, Timestamp::from_millis(5_000)),
-            vec![3, 0]
-        );
-        assert_eq!(
-            idx.overlaps(&keys, Timestamp::from_millis(11_000)),
-            vec![0, 0]
-        );
+        assert_eq!(idx.overlaps(&keys, Timestamp::from_millis(5_000)), vec![3, 0]);
+        assert_eq!(idx.overlaps(&keys, Timestamp::from_millis(11_000)), vec![0, 0]);
         let more: Vec<BlockKey> = (10..16).map(BlockKey).collect();
         idx.insert(&more, 1, Timestamp::from_millis(12_000));
         // Over the cap: the expired pages go first; the fresh ones stay (they are all equally new).
@@ -312,14 +276,7 @@ mod tests {
         let older: Vec<BlockKey> = (20..24).map(BlockKey).collect();
         idx.insert(&older[..2], 0, Timestamp::from_millis(13_000));
         idx.insert(&older[2..], 0, Timestamp::from_millis(14_000));
-        assert!(
-            idx.entries.len() <= 4 + 4 / 2,
-            "pruned toward the cap: {}",
-            idx.entries.len()
-        );
-        assert_eq!(
-            idx.size_of(0) + idx.size_of(1),
-            idx.entries.values().map(Vec::len).sum::<usize>() as u64
-        );
+        assert!(idx.entries.len() <= 4 + 4 / 2, "pruned toward the cap: {}", idx.entries.len());
+        assert_eq!(idx.size_of(0) + idx.size_of(1), idx.entries.values().map(Vec::len).sum::<usize>() as u64);
     }
 }

@@ -2,8 +2,7 @@
 //! decision code as the gateway, fed by the simulator's modelled telemetry and event paths.
 
 use kvgate_core::{
-    KvState, LoadSnapshot, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig,
-    WorkerId,
+    KvState, LoadSnapshot, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig, WorkerId,
 };
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
@@ -21,11 +20,8 @@ pub struct CorePolicy {
 impl CorePolicy {
     /// A core router over `fleet` with `policy`.
     pub fn new(fleet: &FleetInfo, policy: PolicyConfig) -> Result<Self, SimError> {
-        let router =
-            Router::new(fleet.block_size, policy).map_err(|e| SimError::Config(e.to_string()))?;
-        let ids: Vec<WorkerId> = (0..fleet.workers)
-            .map(|i| WorkerId::new(format!("w{i}")))
-            .collect();
+        let router = Router::new(fleet.block_size, policy).map_err(|e| SimError::Config(e.to_string()))?;
+        let ids: Vec<WorkerId> = (0..fleet.workers).map(|i| WorkerId::new(format!("w{i}"))).collect();
         for id in &ids {
             let config = WorkerConfig {
                 id: id.clone(),
@@ -33,9 +29,7 @@ impl CorePolicy {
                 decode_tokens_per_s: fleet.decode_tokens_per_s,
                 kv_capacity_tokens: fleet.kv_capacity_tokens,
             };
-            router
-                .add_worker(config, KvState::Synced)
-                .map_err(|e| SimError::Config(e.to_string()))?;
+            router.add_worker(config, KvState::Synced).map_err(|e| SimError::Config(e.to_string()))?;
         }
         Ok(CorePolicy { router, ids })
     }
@@ -53,12 +47,8 @@ impl SimPolicy for CorePolicy {
         now: Timestamp,
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
-        let route = RouteRequest {
-            id: req.id,
-            keys: req.keys,
-            prompt_tokens: req.prompt_tokens,
-            max_tokens: req.max_tokens,
-        };
+        let route =
+            RouteRequest { id: req.id, keys: req.keys, prompt_tokens: req.prompt_tokens, max_tokens: req.max_tokens };
         let d = self.router.decide(&route, now, rng).ok()?;
         Some(Pick {
             worker: self.index_of(&d.worker),

@@ -93,11 +93,7 @@ impl SimPolicy for Dynamo {
         let uncached = |w: usize| req.prompt_tokens.saturating_sub(o[w] * self.block);
         let logit = |w: usize| {
             let p = self.active_prefill[w] + uncached(w);
-            let new_blocks = req
-                .keys
-                .iter()
-                .filter(|k| !self.active_blocks[w].contains_key(k))
-                .count();
+            let new_blocks = req.keys.iter().filter(|k| !self.active_blocks[w].contains_key(k)).count();
             let d = self.active_blocks[w].len() + new_blocks;
             p as f64 / self.block as f64 + d as f64
         };
@@ -111,12 +107,7 @@ impl SimPolicy for Dynamo {
         self.active_prefill[w] += prefill_tokens;
         self.reservations.insert(
             req.id,
-            DynamoReservation {
-                worker: w,
-                keys: req.keys.to_vec(),
-                prefill_tokens,
-                prefill_done: false,
-            },
+            DynamoReservation { worker: w, keys: req.keys.to_vec(), prefill_tokens, prefill_done: false },
         );
         Some(Pick::of(w))
     }
@@ -167,9 +158,7 @@ pub struct LlmD {
 impl LlmD {
     /// A router for `fleet`.
     pub fn new(fleet: &FleetInfo) -> Self {
-        LlmD {
-            index: ExactIndex::new(fleet),
-        }
+        LlmD { index: ExactIndex::new(fleet) }
     }
 }
 
@@ -189,11 +178,7 @@ impl SimPolicy for LlmD {
         let qmin = h.iter().map(|&w| q(w)).fold(f64::MAX, f64::min);
         let score = |w: usize| {
             let prefix = o[w] as f64 / total;
-            let queue = if qmax > qmin {
-                (qmax - q(w)) / (qmax - qmin)
-            } else {
-                1.0
-            };
+            let queue = if qmax > qmin { (qmax - q(w)) / (qmax - qmin) } else { 1.0 };
             let kv = 1.0 - view[w].snapshot.map_or(0.0, |s| s.kv_usage);
             -(3.0 * prefix + 2.0 * queue + 2.0 * kv)
         };

@@ -15,9 +15,7 @@ pub mod core_backed;
 pub mod exact;
 pub mod simple;
 
-use kvgate_core::{
-    BlockKey, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, RequestId, Timestamp,
-};
+use kvgate_core::{BlockKey, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, RequestId, Timestamp};
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
 
@@ -71,12 +69,7 @@ pub struct Pick {
 impl Pick {
     /// A pick with nothing else to say.
     pub fn of(worker: usize) -> Self {
-        Pick {
-            worker,
-            reason: None,
-            shadow_disagrees: None,
-            cached_tokens: None,
-        }
+        Pick { worker, reason: None, shadow_disagrees: None, cached_tokens: None }
     }
 }
 
@@ -148,13 +141,7 @@ impl PolicySpec {
     /// Parses `NAME` or `NAME:MODE`.
     pub fn parse(s: &str) -> Result<Self, SimError> {
         let (name, mode) = match s.split_once(':') {
-            Some((n, m)) => (
-                n,
-                Some(
-                    m.parse::<Mode>()
-                        .map_err(|e| SimError::Config(e.to_string()))?,
-                ),
-            ),
+            Some((n, m)) => (n, Some(m.parse::<Mode>().map_err(|e| SimError::Config(e.to_string()))?)),
             None => (s, None),
         };
         if !POLICY_NAMES.contains(&name) {
@@ -168,10 +155,7 @@ impl PolicySpec {
                 "{name} has no modes; only projected takes :off, :shadow or :enforce"
             )));
         }
-        Ok(PolicySpec {
-            name: name.to_owned(),
-            mode,
-        })
+        Ok(PolicySpec { name: name.to_owned(), mode })
     }
 
     /// The label used in reports: `projected:enforce`, `cache_aware`, ...
@@ -184,17 +168,10 @@ impl PolicySpec {
 }
 
 /// Builds a policy. `knobs` carries the projected policy's knobs (mode and name are overridden).
-pub fn build(
-    spec: &PolicySpec,
-    fleet: &FleetInfo,
-    knobs: &PolicyConfig,
-) -> Result<Box<dyn SimPolicy>, SimError> {
+pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Result<Box<dyn SimPolicy>, SimError> {
     Ok(match spec.name.as_str() {
         "projected" => {
-            let cfg = PolicyConfig {
-                mode: spec.mode.unwrap_or(Mode::Enforce),
-                ..knobs.clone()
-            };
+            let cfg = PolicyConfig { mode: spec.mode.unwrap_or(Mode::Enforce), ..knobs.clone() };
             Box::new(core_backed::CorePolicy::new(fleet, cfg)?)
         }
         "cache_aware" | "cache_aware_seeded" => {
@@ -233,10 +210,7 @@ pub(crate) fn uniform(candidates: &[usize], rng: &mut ChaCha8Rng) -> Option<usiz
 }
 
 /// The candidates with the smallest key (exact ties kept), for a uniform tie-break.
-pub(crate) fn argmin_set<K: PartialOrd + Copy>(
-    candidates: &[usize],
-    key: impl Fn(usize) -> K,
-) -> Vec<usize> {
+pub(crate) fn argmin_set<K: PartialOrd + Copy>(candidates: &[usize], key: impl Fn(usize) -> K) -> Vec<usize> {
     let mut best: Vec<usize> = Vec::new();
     let mut best_key: Option<K> = None;
     for &c in candidates {

@@ -74,11 +74,7 @@ fn smg_score(v: &WorkerView, anyone_reported: bool) -> f64 {
     match &v.snapshot {
         Some(s) => {
             let k = s.kv_usage.clamp(0.0, 0.999);
-            let q = if s.waiting_tokens > 0 {
-                s.waiting_tokens as f64
-            } else {
-                s.waiting_requests as f64 * P_BAR
-            };
+            let q = if s.waiting_tokens > 0 { s.waiting_tokens as f64 } else { s.waiting_requests as f64 * P_BAR };
             (q + v.sent_tokens_since_poll as f64) / T_DEF + LAMBDA_S * k / (1.0 - k)
         }
         None if anyone_reported => v.in_flight as f64 * P_BAR / T_DEF,

@@ -1,0 +1,102 @@
+//! `kvgate serve` started as operators start it, in both documented forms.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Starts `kvgate serve` with `args` and returns the child and the address it logged.
+fn start(args: &[&str]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--log-format", "json"])
+        .args(args)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn kvgate serve");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if v["message"] == "kvgate listening" {
+                    let _ = tx.send(v["address"].as_str().unwrap_or_default().to_owned());
+                }
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(20)).expect("kvgate logged its address");
+    (child, addr)
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn stop(mut child: Child) {
+    let pid = child.id().to_string();
+    let _ = Command::new("kill").args(["-TERM", &pid]).status();
+    for _ in 0..100 {
+        if let Ok(Some(status)) = child.try_wait() {
+            assert!(status.success(), "kvgate exited with {status}");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    panic!("kvgate did not stop on SIGTERM");
+}
+
+#[test]
+fn serve_with_flags_only() {
+    let (child, addr) = start(&[
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--worker",
+        "http://127.0.0.1:9",
+        "--worker",
+        "http://127.0.0.1:10",
+    ]);
+    assert!(http_get(&addr, "/health").starts_with("HTTP/1.1 200"));
+    let workers = http_get(&addr, "/admin/workers");
+    assert!(workers.contains("127.0.0.1:9") && workers.contains("127.0.0.1:10"), "{workers}");
+    stop(child);
+}
+
+#[test]
+fn serve_with_a_config_file() {
+    let dir = std::env::temp_dir().join(format!("kvgate-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvgate.toml");
+    std::fs::write(
+        &path,
+        "[server]\nhost = \"127.0.0.1\"\nport = 0\n\n[policy]\nname = \"projected\"\nmode = \"shadow\"\nescape_seconds = 4.0\nescape_waiting = 16\n\n\
+         [[workers]]\nurl = \"http://127.0.0.1:9\"\nkv_events = \"tcp://127.0.0.1:5557\"\nreplay = \"tcp://127.0.0.1:5558\"\ntopic = \"kv-events\"\nblock_size = 16\n",
+    )
+    .unwrap();
+    let (child, addr) = start(&["--config", path.to_str().unwrap()]);
+    let policy = http_get(&addr, "/admin/policy");
+    assert!(policy.contains("\"mode\":\"shadow\"") && policy.contains("\"escape_waiting\":16"), "{policy}");
+    stop(child);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_configuration_exits_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--port", "0", "--worker", "ftp://nowhere", "--escape-seconds=-3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("escape_seconds"), "{err}");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["serve", "--config", "/nonexistent.toml"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent.toml"));
+}

@@ -278,7 +278,7 @@ pub const REQUEST_TIMEOUT_S: Knob = Knob {
     min: 1.0,
     max: 86_400.0,
     default: 600.0,
-    meaning: "longest a request may take end to end before 504",
+    meaning: "longest wait for an engine's response headers before 504",
 };
 /// See [`GatewayConfig::connect_timeout`].
 pub const CONNECT_TIMEOUT_MS: Knob = Knob {
@@ -596,5 +596,24 @@ mod tests {
         assert_eq!(cfg.port, 1234);
         assert_eq!(cfg.workers.len(), 1);
         assert_eq!(cfg.policy.mode, Mode::Off);
+    }
+}
+
+#[cfg(test)]
+mod doc_tests {
+    use super::KNOBS;
+
+    #[test]
+    fn operations_doc_lists_every_gateway_knob_with_its_code_bounds() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
+        for k in KNOBS {
+            let row = format!("| `{}` |", k.name);
+            let line = doc
+                .lines()
+                .find(|l| l.starts_with(&row))
+                .unwrap_or_else(|| panic!("docs/operations.md lacks {}", k.name));
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            assert_eq!(cells[3..6], [k.min.to_string(), k.max.to_string(), k.default.to_string()], "{line}");
+        }
     }
 }

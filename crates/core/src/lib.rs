@@ -76,6 +76,6 @@ pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};
 pub use load::LoadSnapshot;
-pub use policy::{Mode, PolicyConfig, PolicyName};
+pub use policy::{Mode, PolicyConfig, PolicyName, PolicyPatch};
 pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};
 pub use time::Timestamp;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvgate_core::policy::Knob;
 use kvgate_core::{
-    Mode, PolicyConfig, PolicyName, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S,
+    PolicyConfig, PolicyPatch, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S,
 };
 use serde::{Deserialize, Serialize};
 
@@ -144,24 +144,25 @@ struct ServerTable {
     decision_log: Option<usize>,
 }
 
-/// The `[policy]` table.
+/// The gateway's own keys in the `[policy]` table; the rest is a [`PolicyPatch`].
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PolicyTable {
-    name: Option<String>,
-    mode: Option<String>,
-    escape_seconds: Option<f64>,
-    escape_waiting: Option<u64>,
-    stale_after_ms: Option<u64>,
-    kv_stale_after_ms: Option<u64>,
-    kv_barrier_threshold: Option<f64>,
-    kv_barrier_scale_s: Option<f64>,
-    balance_abs: Option<u64>,
-    balance_rel: Option<f64>,
-    distribution_seeding: Option<bool>,
+struct AdmissionKeys {
     admission_wait_s: Option<f64>,
     queue_timeout_ms: Option<u64>,
     max_queued: Option<usize>,
+}
+
+/// Splits `[policy]` into the routing knobs and the gateway's admission keys.
+fn split_policy(mut table: toml::Table) -> Result<(PolicyPatch, AdmissionKeys), GatewayError> {
+    let mut admission = toml::Table::new();
+    for key in ["admission_wait_s", "queue_timeout_ms", "max_queued"] {
+        if let Some(v) = table.remove(key) {
+            admission.insert(key.to_owned(), v);
+        }
+    }
+    let bad = |e: toml::de::Error| GatewayError::Config(format!("[policy]: {}", e.message()));
+    Ok((table.try_into().map_err(bad)?, admission.try_into().map_err(bad)?))
 }
 
 /// The `[telemetry]` table.
@@ -191,7 +192,7 @@ struct FileConfig {
     #[serde(default)]
     server: ServerTable,
     #[serde(default)]
-    policy: PolicyTable,
+    policy: toml::Table,
     #[serde(default)]
     telemetry: TelemetryTable,
     #[serde(default)]
@@ -427,23 +428,16 @@ impl GatewayConfig {
     }
 
     fn build(f: FileConfig, o: Overrides) -> Result<Self, GatewayError> {
-        let p = &f.policy;
-        let name: PolicyName =
-            o.policy.as_deref().or(p.name.as_deref()).unwrap_or("projected").parse().map_err(cfg_err)?;
-        let mut policy = PolicyConfig::new(name);
-        if let Some(mode) = o.mode.as_deref().or(p.mode.as_deref()) {
-            policy.mode = mode.parse::<Mode>().map_err(cfg_err)?;
+        let (mut patch, p) = split_policy(f.policy.clone())?;
+        if let Some(name) = &o.policy {
+            patch.name = Some(name.parse().map_err(cfg_err)?);
         }
-        policy.escape_seconds = o.escape_seconds.or(p.escape_seconds).unwrap_or(policy.escape_seconds);
-        policy.escape_waiting = o.escape_waiting.or(p.escape_waiting).unwrap_or(policy.escape_waiting);
-        policy.stale_after_ms = p.stale_after_ms.unwrap_or(policy.stale_after_ms);
-        policy.kv_stale_after_ms = p.kv_stale_after_ms.unwrap_or(policy.kv_stale_after_ms);
-        policy.kv_barrier_threshold = p.kv_barrier_threshold.unwrap_or(policy.kv_barrier_threshold);
-        policy.kv_barrier_scale_s = p.kv_barrier_scale_s.unwrap_or(policy.kv_barrier_scale_s);
-        policy.balance_abs = p.balance_abs.unwrap_or(policy.balance_abs);
-        policy.balance_rel = p.balance_rel.unwrap_or(policy.balance_rel);
-        policy.distribution_seeding = p.distribution_seeding.unwrap_or(false);
-        policy.validate().map_err(cfg_err)?;
+        if let Some(mode) = &o.mode {
+            patch.mode = Some(mode.parse().map_err(cfg_err)?);
+        }
+        patch.escape_seconds = o.escape_seconds.or(patch.escape_seconds);
+        patch.escape_waiting = o.escape_waiting.or(patch.escape_waiting);
+        let policy = patch.build().map_err(cfg_err)?;
 
         let workers = if o.workers.is_empty() { f.workers } else { o.workers.iter().map(WorkerSpec::new).collect() };
         let mut ids = std::collections::HashSet::new();
@@ -567,7 +561,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!((cfg.host.as_str(), cfg.port), ("0.0.0.0", 9000));
-        assert_eq!(cfg.policy.mode, Mode::Shadow);
+        assert_eq!(cfg.policy.mode, kvgate_core::Mode::Shadow);
         assert_eq!(cfg.workers[0].id(), "10.0.0.1:8000");
         assert_eq!(cfg.workers[1].id(), "b");
     }
@@ -595,7 +589,7 @@ mod tests {
         let cfg = GatewayConfig::build(FileConfig::default(), o).unwrap();
         assert_eq!(cfg.port, 1234);
         assert_eq!(cfg.workers.len(), 1);
-        assert_eq!(cfg.policy.mode, Mode::Off);
+        assert_eq!(cfg.policy.mode, kvgate_core::Mode::Off);
     }
 }
 

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use anyhow::{anyhow, bail, Context};
 use kvgate_core::hashing::{digest_str, synthetic_tokens};
 use kvgate_core::{
-    Decision, KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, PolicyName, RequestId, RouteRequest, Router,
+    Decision, KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, PolicyPatch, RequestId, RouteRequest, Router,
     Timestamp, WorkerConfig, WorkerId, BLOCK_SIZE,
 };
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
@@ -36,7 +36,7 @@ struct FleetSnapshot {
     #[serde(default = "default_block_size")]
     block_size: u32,
     #[serde(default)]
-    policy: PolicyInput,
+    policy: PolicyPatch,
     #[serde(default)]
     defaults: Defaults,
     workers: Vec<WorkerInput>,
@@ -45,21 +45,6 @@ struct FleetSnapshot {
 
 fn default_block_size() -> u32 {
     BLOCK_SIZE.default as u32
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PolicyInput {
-    name: Option<String>,
-    mode: Option<String>,
-    escape_seconds: Option<f64>,
-    escape_waiting: Option<u64>,
-    kv_barrier_threshold: Option<f64>,
-    kv_barrier_scale_s: Option<f64>,
-    kv_stale_after_ms: Option<u64>,
-    balance_abs: Option<u64>,
-    balance_rel: Option<f64>,
-    distribution_seeding: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -254,23 +239,9 @@ pub fn run(input: &str, seed: u64) -> anyhow::Result<DecideOutput> {
     Ok(DecideOutput { decisions })
 }
 
-fn policy_config(p: &PolicyInput, d: &Defaults) -> anyhow::Result<PolicyConfig> {
-    let name: PolicyName = p.name.as_deref().unwrap_or("projected").parse()?;
-    let mut cfg = PolicyConfig::new(name);
-    if let Some(mode) = &p.mode {
-        cfg.mode = mode.parse()?;
-    }
-    cfg.escape_seconds = p.escape_seconds.unwrap_or(cfg.escape_seconds);
-    cfg.escape_waiting = p.escape_waiting.unwrap_or(cfg.escape_waiting);
-    cfg.kv_barrier_threshold = p.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
-    cfg.kv_barrier_scale_s = p.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
-    cfg.kv_stale_after_ms = p.kv_stale_after_ms.unwrap_or(cfg.kv_stale_after_ms);
-    cfg.balance_abs = p.balance_abs.unwrap_or(cfg.balance_abs);
-    cfg.balance_rel = p.balance_rel.unwrap_or(cfg.balance_rel);
-    cfg.distribution_seeding = p.distribution_seeding.unwrap_or(false);
-    cfg.stale_after_ms = d.stale_after_ms.unwrap_or(cfg.stale_after_ms);
-    cfg.validate().context("policy")?;
-    Ok(cfg)
+fn policy_config(p: &PolicyPatch, d: &Defaults) -> anyhow::Result<PolicyConfig> {
+    let patch = PolicyPatch { stale_after_ms: p.stale_after_ms.or(d.stale_after_ms), ..p.clone() };
+    patch.build().context("policy")
 }
 
 fn add_worker(router: &Router, w: &WorkerInput, d: &Defaults, block: usize, now: Timestamp) -> anyhow::Result<()> {

@@ -319,6 +319,65 @@ impl PolicyConfig {
     }
 }
 
+/// A partial policy: any subset of the knobs, laid over a [`PolicyConfig`]. One shape for every
+/// place a policy is written down (a fleet snapshot, a config file, an admin update).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyPatch {
+    /// Policy name; a new name without a mode takes that policy's default mode.
+    pub name: Option<PolicyName>,
+    /// Mode.
+    pub mode: Option<Mode>,
+    /// See [`ESCAPE_SECONDS`].
+    pub escape_seconds: Option<f64>,
+    /// See [`ESCAPE_WAITING`].
+    pub escape_waiting: Option<u64>,
+    /// See [`STALE_AFTER_MS`].
+    pub stale_after_ms: Option<u64>,
+    /// See [`KV_STALE_AFTER_MS`].
+    pub kv_stale_after_ms: Option<u64>,
+    /// See [`KV_BARRIER_THRESHOLD`].
+    pub kv_barrier_threshold: Option<f64>,
+    /// See [`KV_BARRIER_SCALE_S`].
+    pub kv_barrier_scale_s: Option<f64>,
+    /// See [`BALANCE_ABS`].
+    pub balance_abs: Option<u64>,
+    /// See [`BALANCE_REL`].
+    pub balance_rel: Option<f64>,
+    /// cache_aware only: cap-one distribution seeding.
+    pub distribution_seeding: Option<bool>,
+}
+
+impl PolicyPatch {
+    /// `base` with this patch laid over it, validated as a whole.
+    pub fn apply(&self, base: &PolicyConfig) -> Result<PolicyConfig, CoreError> {
+        let mut cfg = base.clone();
+        if let Some(name) = self.name {
+            if name != cfg.name {
+                cfg.name = name;
+                cfg.mode = name.default_mode();
+            }
+        }
+        cfg.mode = self.mode.unwrap_or(cfg.mode);
+        cfg.escape_seconds = self.escape_seconds.unwrap_or(cfg.escape_seconds);
+        cfg.escape_waiting = self.escape_waiting.unwrap_or(cfg.escape_waiting);
+        cfg.stale_after_ms = self.stale_after_ms.unwrap_or(cfg.stale_after_ms);
+        cfg.kv_stale_after_ms = self.kv_stale_after_ms.unwrap_or(cfg.kv_stale_after_ms);
+        cfg.kv_barrier_threshold = self.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
+        cfg.kv_barrier_scale_s = self.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
+        cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
+        cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
+        cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The patch on the defaults of its policy (projected when unnamed).
+    pub fn build(&self) -> Result<PolicyConfig, CoreError> {
+        self.apply(&PolicyConfig::new(self.name.unwrap_or(PolicyName::Projected)))
+    }
+}
+
 impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig::projected(Mode::Enforce)
@@ -349,6 +408,20 @@ mod tests {
         assert!(err.contains("projected"), "{err}");
         let cache_aware = PolicyConfig { distribution_seeding: true, ..PolicyConfig::new(PolicyName::CacheAware) };
         cache_aware.validate().unwrap();
+    }
+
+    #[test]
+    fn a_patch_overlays_knobs_and_a_new_name_takes_its_default_mode() {
+        let base = PolicyConfig::projected(Mode::Shadow);
+        let p = PolicyPatch { escape_seconds: Some(2.0), ..PolicyPatch::default() };
+        assert_eq!(p.apply(&base).unwrap(), PolicyConfig { escape_seconds: 2.0, ..base.clone() });
+        let ll = PolicyPatch { name: Some(PolicyName::LeastLoad), ..PolicyPatch::default() }.apply(&base).unwrap();
+        assert_eq!(ll.mode, Mode::Off);
+        assert!(PolicyPatch { escape_waiting: Some(u64::MAX), ..PolicyPatch::default() }.apply(&base).is_err());
+        let parsed: PolicyPatch =
+            serde_json::from_str(r#"{"name": "cache_aware", "distribution_seeding": true}"#).unwrap();
+        assert!(parsed.build().unwrap().distribution_seeding);
+        assert!(serde_json::from_str::<PolicyPatch>(r#"{"colour": 1}"#).is_err());
     }
 
     #[test]

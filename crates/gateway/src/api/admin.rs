@@ -7,7 +7,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvgate_core::{Mode, Namespace, PolicyConfig, PolicyName, RequestId, RouteRequest, WorkerId};
+use kvgate_core::{Namespace, PolicyPatch, RequestId, RouteRequest, WorkerId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -94,53 +94,29 @@ pub async fn get_policy(State(state): State<Arc<AppState>>, headers: HeaderMap) 
     Ok(Json(policy_json(&state)))
 }
 
-/// The knobs `PUT /admin/policy` accepts; any subset.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PolicyUpdate {
-    name: Option<PolicyName>,
-    mode: Option<Mode>,
-    escape_seconds: Option<f64>,
-    escape_waiting: Option<u64>,
-    stale_after_ms: Option<u64>,
-    kv_stale_after_ms: Option<u64>,
-    kv_barrier_threshold: Option<f64>,
-    kv_barrier_scale_s: Option<f64>,
-    balance_abs: Option<u64>,
-    balance_rel: Option<f64>,
-    distribution_seeding: Option<bool>,
-    admission_wait_s: Option<f64>,
-}
-
-/// `PUT /admin/policy`: changes any knobs, validated as a whole; nothing changes on error.
+/// `PUT /admin/policy`: changes any knobs (a [`PolicyPatch`] plus `admission_wait_s`), validated as
+/// a whole; nothing changes on error.
 pub async fn put_policy(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
-    let (_, value) = read_json(&state, body).await?;
-    let u: PolicyUpdate =
-        serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
-    let mut cfg = state.router.policy();
-    if let Some(name) = u.name {
-        let mode = u.mode.unwrap_or(if name == cfg.name { cfg.mode } else { name.default_mode() });
-        cfg = PolicyConfig { name, mode, ..cfg };
-    }
-    cfg.mode = u.mode.unwrap_or(cfg.mode);
-    cfg.escape_seconds = u.escape_seconds.unwrap_or(cfg.escape_seconds);
-    cfg.escape_waiting = u.escape_waiting.unwrap_or(cfg.escape_waiting);
-    cfg.stale_after_ms = u.stale_after_ms.unwrap_or(cfg.stale_after_ms);
-    cfg.kv_stale_after_ms = u.kv_stale_after_ms.unwrap_or(cfg.kv_stale_after_ms);
-    cfg.kv_barrier_threshold = u.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
-    cfg.kv_barrier_scale_s = u.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
-    cfg.balance_abs = u.balance_abs.unwrap_or(cfg.balance_abs);
-    cfg.balance_rel = u.balance_rel.unwrap_or(cfg.balance_rel);
-    cfg.distribution_seeding = u.distribution_seeding.unwrap_or(cfg.distribution_seeding);
-    let admission = match u.admission_wait_s {
-        Some(v) => Some(ADMISSION_WAIT_S.check(v).map_err(|e| ApiError::invalid("admission_wait_s", e.to_string()))?),
+    let (_, mut value) = read_json(&state, body).await?;
+    let admission = match value.as_object_mut().and_then(|o| o.remove("admission_wait_s")) {
         None => None,
+        Some(v) => {
+            let v = v
+                .as_f64()
+                .ok_or_else(|| ApiError::invalid("admission_wait_s", "`admission_wait_s` must be a number"))?;
+            Some(ADMISSION_WAIT_S.check(v).map_err(|e| ApiError::invalid("admission_wait_s", e.to_string()))?)
+        }
     };
+    let patch: PolicyPatch =
+        serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
+    let cfg = patch
+        .apply(&state.router.policy())
+        .map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     state.router.set_policy(cfg).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     if let Some(a) = admission {
         state.runtime.write().admission_wait_s = a;

@@ -7,6 +7,9 @@
 //!   ZMQ frames lives here too once the live-events work lands; the routing core only ever sees the
 //!   decoded values.
 //!
+//! - [`kv_wire`]: the byte-level decoder for those events: ZMQ frames `[topic, seq, payload]`, replay
+//!   replies in both layouts, the msgpack batch, array and map event forms of every vLLM and SGLang
+//!   version in `engine-protocols.md`, hashes of any integer width or as bytes.
 //! - [`telemetry`]: engine load reports: SGLang `GET /v1/loads` and the Prometheus `/metrics` text
 //!   of vLLM and SGLang (`engine-protocols.md` §10), parsed into one engine-neutral shape.
 //!
@@ -15,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod kv_events;
+pub mod kv_wire;
 pub mod telemetry;
 
 pub use kv_events::{

@@ -96,6 +96,19 @@ impl WorkerSpec {
         if url.host_str().is_none() {
             return Err(GatewayError::Config(format!("worker url {:?}: no host", self.url)));
         }
+        for (key, v) in [("kv_events", &self.kv_events), ("replay", &self.replay)] {
+            if let Some(ep) = v {
+                let ok = ep.strip_prefix("tcp://").is_some_and(|rest| {
+                    rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+                }) || ep.starts_with("ipc://");
+                if !ok {
+                    return Err(GatewayError::Config(format!(
+                        "worker {}: {key} {ep:?} must look like tcp://host:port",
+                        self.id()
+                    )));
+                }
+            }
+        }
         if self.id().trim().is_empty() {
             return Err(GatewayError::Config(format!("worker url {:?}: empty id", self.url)));
         }
@@ -574,6 +587,7 @@ mod tests {
         assert!(err("[server]\ncolour = 1").contains("unknown field `colour`"));
         assert!(err("[[workers]]\nurl = \"ftp://x\"").contains("scheme"));
         assert!(err("[[workers]]\nurl = \"not a url\"").contains("worker url"));
+        assert!(err("[[workers]]\nurl = \"http://a:1\"\nkv_events = \"a:5557\"").contains("tcp://host:port"));
         assert!(err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"").contains("distinct ids"));
         assert!(err("[policy]\nname = \"projected\"\ndistribution_seeding = true").contains("distribution_seeding"));
     }

@@ -35,7 +35,9 @@ pub struct EngineHandle {
     pub telemetry_error: Mutex<Option<String>>,
     /// Models the engine reports.
     pub models: Mutex<Vec<String>>,
-    task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Counters of the engine's KV event stream.
+    pub stream: Arc<crate::kv_events::StreamStats>,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 /// An engine as `GET /admin/workers` shows it.
@@ -57,8 +59,10 @@ pub struct EngineView {
     pub models: Vec<String>,
     /// The core's view: reconciled load, KV state, blocks held, reservations.
     pub router: Option<kvgate_core::WorkerStatus>,
-    /// Last KV-event sequence number applied (live events are not wired yet).
+    /// Last KV-event sequence number applied.
     pub last_event_seq: Option<u64>,
+    /// The KV event stream's counters (absent without a `kv_events` endpoint).
+    pub kv_events: Option<crate::kv_events::StreamView>,
 }
 
 impl EngineHandle {
@@ -73,13 +77,14 @@ impl EngineHandle {
             telemetry: Mutex::new(None),
             telemetry_error: Mutex::new(None),
             models: Mutex::new(Vec::new()),
-            task: Mutex::new(None),
+            stream: Arc::new(crate::kv_events::StreamStats::new()),
+            tasks: Mutex::new(Vec::new()),
         }
     }
 
-    /// Stops the engine's background task.
+    /// Stops the engine's background tasks.
     pub fn stop(&self) {
-        if let Some(t) = self.task.lock().take() {
+        for t in self.tasks.lock().drain(..) {
             t.abort();
         }
     }
@@ -95,7 +100,8 @@ impl EngineHandle {
             telemetry_error: self.telemetry_error.lock().clone(),
             models: self.models.lock().clone(),
             router: state.router.worker_status(&self.id, state.clock.now()).ok(),
-            last_event_seq: None,
+            last_event_seq: self.stream.view().last_seq,
+            kv_events: self.spec.kv_events.as_ref().map(|_| self.stream.view()),
         }
     }
 }
@@ -108,10 +114,20 @@ pub fn start_all(state: &Arc<AppState>) {
     }
 }
 
-/// Starts one engine's background task.
+/// Starts one engine's background tasks: health and load, and its KV event subscriber if it has one.
 pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
-    let task = tokio::spawn(run(Arc::downgrade(state), engine.clone()));
-    *engine.task.lock() = Some(task.abort_handle());
+    let mut tasks = engine.tasks.lock();
+    tasks.push(tokio::spawn(run(Arc::downgrade(state), engine.clone())).abort_handle());
+    if let Some(endpoint) = &engine.spec.kv_events {
+        let cfg = crate::kv_events::StreamConfig {
+            worker: engine.id.clone(),
+            endpoint: endpoint.clone(),
+            replay: engine.spec.replay.clone(),
+            topic: engine.spec.topic.clone().unwrap_or_default(),
+        };
+        let task = tokio::spawn(crate::kv_events::run(Arc::downgrade(state), cfg, engine.stream.clone()));
+        tasks.push(task.abort_handle());
+    }
 }
 
 /// Takes an engine out of rotation after a failed connect; health checks bring it back.

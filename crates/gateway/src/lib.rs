@@ -25,6 +25,7 @@ pub mod clock;
 pub mod config;
 pub mod engines;
 pub mod error;
+pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
 pub mod state;

@@ -56,6 +56,16 @@ pub struct Metrics {
     pub projected_seconds: Family<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Retries of a failed connect on another engine.
     pub retries: Counter,
+    /// KV events applied, by engine.
+    pub kv_events: Family<EngineLabel, Counter>,
+    /// KV event sequence gaps, by engine.
+    pub kv_gaps: Family<EngineLabel, Counter>,
+    /// KV event replays requested, by engine.
+    pub kv_replays: Family<EngineLabel, Counter>,
+    /// Engine restarts detected from sequence numbers, by engine.
+    pub kv_restarts: Family<EngineLabel, Counter>,
+    /// Undecodable KV event messages or events, by engine.
+    pub kv_decode_errors: Family<EngineLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -98,6 +108,20 @@ impl Metrics {
         );
         let retries = Counter::default();
         registry.register("retries", "Failed connects retried on another engine", retries.clone());
+        let kv_events = Family::<EngineLabel, Counter>::default();
+        registry.register("kv_events", "KV events applied to the index", kv_events.clone());
+        let kv_gaps = Family::<EngineLabel, Counter>::default();
+        registry.register("kv_gaps", "KV event sequence gaps", kv_gaps.clone());
+        let kv_replays = Family::<EngineLabel, Counter>::default();
+        registry.register("kv_replays", "KV event replays requested", kv_replays.clone());
+        let kv_restarts = Family::<EngineLabel, Counter>::default();
+        registry.register(
+            "kv_restarts",
+            "Engine restarts detected from KV event sequence numbers",
+            kv_restarts.clone(),
+        );
+        let kv_decode_errors = Family::<EngineLabel, Counter>::default();
+        registry.register("kv_decode_errors", "Undecodable KV event messages or events", kv_decode_errors.clone());
         Metrics {
             registry,
             requests,
@@ -111,6 +135,11 @@ impl Metrics {
             in_flight,
             projected_seconds,
             retries,
+            kv_events,
+            kv_gaps,
+            kv_replays,
+            kv_restarts,
+            kv_decode_errors,
         }
     }
 
@@ -126,6 +155,11 @@ impl Metrics {
         self.requests
             .get_or_create(&RequestLabels { status: status.to_string(), engine: engine.unwrap_or("none").to_owned() })
             .inc();
+    }
+
+    /// A per-engine counter of `family`.
+    pub fn engine_counter(family: &Family<EngineLabel, Counter>, engine: &str) -> Counter {
+        family.get_or_create(&EngineLabel { engine: engine.to_owned() }).clone()
     }
 
     /// The in-flight gauge of an engine.

@@ -1,0 +1,275 @@
+//! Live KV events: one subscriber task per engine with a `kv_events` endpoint.
+//!
+//! ```text
+//! engine PUB ─► SUB ─► kv_wire::decode_live ─► kv_stream::StreamTracker ─► core index
+//!                               │ gap / restart            │
+//!                               └─► DEALER replay ["", from] ◄┘ (2 s timeout, both reply layouts)
+//! ```
+//!
+//! A gap marks the worker `incomplete` until the replay fills it; a sequence going backwards is an
+//! engine restart (its blocks are forgotten and a replay from 0 rebuilds them); history the replay
+//! no longer has is counted and the worker continues from a cleared, partial view (which can only
+//! under-report). An undecodable message is counted and marks the worker `invalid` with the reason;
+//! the next restart or full replay makes it usable again. Nothing here can panic the gateway.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvgate_core::kv_stream::{LiveAction, StreamTracker};
+use kvgate_core::{KvState, WorkerId};
+use kvgate_protocol::kv_wire::{decode_live, decode_replay, replay_request, ReplayMessage};
+use kvgate_protocol::KvEvent;
+use serde::Serialize;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::state::AppState;
+
+/// How long a replay may take before the gap is treated as lost history.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// First and longest waits between reconnect attempts.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// Counters of one engine's event stream.
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Last sequence number applied (`u64::MAX`: none yet).
+    pub last_seq: AtomicU64,
+    /// Batches applied.
+    pub batches: AtomicU64,
+    /// Events applied.
+    pub events: AtomicU64,
+    /// Gaps seen (each triggers a replay).
+    pub gaps: AtomicU64,
+    /// Replays requested.
+    pub replays: AtomicU64,
+    /// Replays that could not return the history asked for.
+    pub history_lost: AtomicU64,
+    /// Restarts detected.
+    pub restarts: AtomicU64,
+    /// Messages or events that could not be decoded.
+    pub decode_errors: AtomicU64,
+    /// Connection attempts that failed.
+    pub connect_failures: AtomicU64,
+}
+
+/// A snapshot of [`StreamStats`] for the admin API.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamView {
+    /// Last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Batches applied.
+    pub batches: u64,
+    /// Events applied.
+    pub events: u64,
+    /// Gaps seen.
+    pub gaps: u64,
+    /// Replays requested.
+    pub replays: u64,
+    /// Replays that lost history.
+    pub history_lost: u64,
+    /// Restarts detected.
+    pub restarts: u64,
+    /// Undecodable messages or events.
+    pub decode_errors: u64,
+    /// Failed connection attempts.
+    pub connect_failures: u64,
+}
+
+impl StreamStats {
+    /// Fresh counters.
+    pub fn new() -> Self {
+        let s = StreamStats::default();
+        s.last_seq.store(u64::MAX, Ordering::Relaxed);
+        s
+    }
+
+    /// The counters now.
+    pub fn view(&self) -> StreamView {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let last = g(&self.last_seq);
+        StreamView {
+            last_seq: (last != u64::MAX).then_some(last),
+            batches: g(&self.batches),
+            events: g(&self.events),
+            gaps: g(&self.gaps),
+            replays: g(&self.replays),
+            history_lost: g(&self.history_lost),
+            restarts: g(&self.restarts),
+            decode_errors: g(&self.decode_errors),
+            connect_failures: g(&self.connect_failures),
+        }
+    }
+}
+
+/// Where one engine publishes.
+#[derive(Debug, Clone)]
+pub struct StreamConfig {
+    /// The worker.
+    pub worker: WorkerId,
+    /// PUB endpoint, e.g. `tcp://10.0.0.7:5557`.
+    pub endpoint: String,
+    /// Replay ROUTER endpoint, if any.
+    pub replay: Option<String>,
+    /// Topic prefix to subscribe to (empty: everything).
+    pub topic: String,
+}
+
+type Batch = (u64, Vec<KvEvent>);
+
+struct Subscriber {
+    state: std::sync::Weak<AppState>,
+    cfg: StreamConfig,
+    stats: Arc<StreamStats>,
+    tracker: StreamTracker<Batch>,
+}
+
+/// Runs one engine's subscriber until the task is aborted or the gateway is gone.
+pub async fn run(state: std::sync::Weak<AppState>, cfg: StreamConfig, stats: Arc<StreamStats>) {
+    let mut sub = Subscriber { state, cfg, stats, tracker: StreamTracker::new() };
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        match sub.session().await {
+            Ok(()) => return,
+            Err(e) => {
+                sub.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(engine = %sub.cfg.worker, endpoint = %sub.cfg.endpoint, error = %e, "KV event stream lost; reconnecting");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+impl Subscriber {
+    /// One connection: subscribe and consume until the socket fails. `Ok` means stop for good.
+    async fn session(&mut self) -> Result<(), String> {
+        let mut socket = zeromq::SubSocket::new();
+        socket.connect(&self.cfg.endpoint).await.map_err(|e| e.to_string())?;
+        socket.subscribe(&self.cfg.topic).await.map_err(|e| e.to_string())?;
+        tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "subscribed to KV events");
+        loop {
+            let msg = socket.recv().await.map_err(|e| e.to_string())?;
+            let Some(state) = self.state.upgrade() else { return Ok(()) };
+            self.on_message(&state, msg.into_vec()).await;
+        }
+    }
+
+    async fn on_message(&mut self, state: &AppState, frames: Vec<Bytes>) {
+        let msg = match decode_live(&frames) {
+            Ok(m) => m,
+            Err(e) => {
+                self.stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+                self.count(state, |m| &m.kv_decode_errors, 1);
+                tracing::warn!(engine = %self.cfg.worker, error = %e, "undecodable KV event message");
+                let _ = state
+                    .router
+                    .set_kv_state(&self.cfg.worker, KvState::Invalid(format!("undecodable KV event message: {e}")));
+                return;
+            }
+        };
+        if !msg.batch.skipped.is_empty() {
+            self.stats.decode_errors.fetch_add(msg.batch.skipped.len() as u64, Ordering::Relaxed);
+            self.count(state, |m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
+            tracing::debug!(engine = %self.cfg.worker, skipped = ?msg.batch.skipped, "KV events skipped");
+        }
+        match self.tracker.on_live(msg.seq, (msg.seq, msg.batch.batch.events)) {
+            LiveAction::Apply(batches) => self.apply(state, batches),
+            LiveAction::Duplicate | LiveAction::Buffered => {}
+            LiveAction::Replay { from } => {
+                self.stats.gaps.fetch_add(1, Ordering::Relaxed);
+                self.count(state, |m| &m.kv_gaps, 1);
+                let _ = state.router.set_kv_state(
+                    &self.cfg.worker,
+                    KvState::Incomplete(format!("sequence gap from {from}: replaying")),
+                );
+                self.replay(state, from).await;
+            }
+            LiveAction::Restart => {
+                self.stats.restarts.fetch_add(1, Ordering::Relaxed);
+                self.count(state, |m| &m.kv_restarts, 1);
+                tracing::info!(engine = %self.cfg.worker, "KV event sequence went backwards: engine restarted");
+                let _ = state.router.clear_kv(&self.cfg.worker);
+                let _ = state
+                    .router
+                    .set_kv_state(&self.cfg.worker, KvState::Incomplete("engine restarted: replaying from 0".into()));
+                self.replay(state, 0).await;
+            }
+        }
+    }
+
+    fn count(
+        &self,
+        state: &AppState,
+        family: impl Fn(
+            &crate::metrics::Metrics,
+        ) -> &prometheus_client::metrics::family::Family<
+            crate::metrics::EngineLabel,
+            prometheus_client::metrics::counter::Counter,
+        >,
+        n: u64,
+    ) {
+        crate::metrics::Metrics::engine_counter(family(&state.metrics), self.cfg.worker.as_str()).inc_by(n);
+    }
+
+    fn apply(&self, state: &AppState, batches: Vec<Batch>) {
+        let now = state.clock.now();
+        for (seq, events) in batches {
+            if state.router.apply_kv_events(&self.cfg.worker, &events, now).is_err() {
+                return; // the worker was removed
+            }
+            self.stats.last_seq.store(seq, Ordering::Relaxed);
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            self.stats.events.fetch_add(events.len() as u64, Ordering::Relaxed);
+            self.count(state, |m| &m.kv_events, events.len() as u64);
+        }
+    }
+
+    async fn replay(&mut self, state: &AppState, from: u64) {
+        self.stats.replays.fetch_add(1, Ordering::Relaxed);
+        self.count(state, |m| &m.kv_replays, 1);
+        let replayed = match &self.cfg.replay {
+            Some(endpoint) => match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from)).await {
+                Ok(Ok(batches)) => batches,
+                Ok(Err(e)) => {
+                    tracing::warn!(engine = %self.cfg.worker, error = %e, "replay failed");
+                    Vec::new()
+                }
+                Err(_) => {
+                    tracing::warn!(engine = %self.cfg.worker, "replay timed out");
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        let outcome = self.tracker.on_replay(replayed.into_iter().map(|(seq, events)| (seq, (seq, events))).collect());
+        if outcome.history_lost {
+            self.stats.history_lost.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(engine = %self.cfg.worker, from, "KV event history lost: continuing from a cleared, partial view");
+            let _ = state.router.clear_kv(&self.cfg.worker);
+        }
+        self.apply(state, outcome.apply);
+        if self.tracker.awaiting_replay().is_none() {
+            let _ = state.router.set_kv_state(&self.cfg.worker, KvState::Synced);
+        }
+    }
+}
+
+/// Asks a replay ROUTER for the batches from `from` on, until its end marker.
+async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Vec<KvEvent>)>, String> {
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
+    let [delimiter, seq] = replay_request(from);
+    let request = ZmqMessage::try_from(vec![Bytes::from(delimiter), Bytes::from(seq)]).map_err(|e| e.to_string())?;
+    dealer.send(request).await.map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    loop {
+        let frames = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+        match decode_replay(&frames).map_err(|e| e.to_string())? {
+            ReplayMessage::End => return Ok(out),
+            ReplayMessage::Batch { seq, batch, .. } => out.push((seq, batch.batch.events)),
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Live KV events through real ZMQ sockets: a publisher and a replay ROUTER in the test (same crate
+//! as the gateway's subscriber), the real gateway on port 0, and fake engines for HTTP.
+
+#![allow(clippy::disallowed_methods)]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvgate_gateway::tokenize::BuiltinTokenizer;
+use parking_lot::Mutex;
+use rmpv::Value;
+use serde_json::{json, Value as Json};
+use support::*;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const BLOCK: usize = 16;
+
+/// Published batches `(seq, payload)`, kept for replay.
+type History = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// A vLLM-style publisher: PUB for live batches, ROUTER for replays (newer 4-frame layout).
+struct Publisher {
+    pub_socket: zeromq::PubSocket,
+    history: History,
+    endpoint: String,
+    replay_endpoint: String,
+    topic: &'static str,
+}
+
+impl Publisher {
+    async fn start() -> Publisher {
+        let mut pub_socket = zeromq::PubSocket::new();
+        let endpoint = pub_socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let mut router = zeromq::RouterSocket::new();
+        let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let history: History = Arc::default();
+        let h = history.clone();
+        tokio::spawn(async move {
+            while let Ok(req) = router.recv().await {
+                let frames = req.into_vec();
+                let (id, start) = (frames[0].clone(), u64::from_be_bytes(frames[2][..8].try_into().unwrap()));
+                let batches: Vec<(u64, Vec<u8>)> = h.lock().iter().filter(|(s, _)| *s >= start).cloned().collect();
+                for (seq, payload) in batches {
+                    let m = vec![
+                        id.clone(),
+                        Bytes::new(),
+                        Bytes::from_static(b"kv-events"),
+                        Bytes::from(seq.to_be_bytes().to_vec()),
+                        Bytes::from(payload),
+                    ];
+                    router.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+                }
+                let end = vec![id, Bytes::new(), Bytes::new(), Bytes::from(vec![0xff; 8]), Bytes::new()];
+                router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
+            }
+        });
+        Publisher { pub_socket, history, endpoint, replay_endpoint, topic: "kv-events" }
+    }
+
+    /// Records a batch for replay and, unless `drop_live`, publishes it live.
+    async fn publish(&mut self, seq: u64, payload: Vec<u8>, drop_live: bool) {
+        self.history.lock().push((seq, payload.clone()));
+        if !drop_live {
+            let m = vec![Bytes::from(self.topic), Bytes::from(seq.to_be_bytes().to_vec()), Bytes::from(payload)];
+            self.pub_socket.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+        }
+    }
+
+    /// A new engine process: history starts again at 0.
+    fn restart(&self) {
+        self.history.lock().clear();
+    }
+}
+
+fn map(entries: Vec<(&str, Value)>) -> Value {
+    Value::Map(entries.into_iter().map(|(k, v)| (Value::from(k), v)).collect())
+}
+
+/// A vLLM 0.33 map-form `BlockStored` of `tokens` (full blocks), hashes `base..`, chained to `parent`.
+fn stored(tokens: &[u32], base: u64, parent: Option<u64>) -> Value {
+    let blocks = tokens.len() / BLOCK;
+    map(vec![
+        ("type", Value::from("BlockStored")),
+        ("block_hashes", Value::Array((0..blocks as u64).map(|i| Value::from(base + i)).collect())),
+        ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+        ("token_ids", Value::Array(tokens[..blocks * BLOCK].iter().map(|t| Value::from(*t)).collect())),
+        ("block_size", Value::from(BLOCK as u64)),
+        ("lora_id", Value::Nil),
+        ("medium", Value::from("GPU")),
+        ("lora_name", Value::Nil),
+    ])
+}
+
+fn removed(hashes: &[u64]) -> Value {
+    map(vec![
+        ("type", Value::from("BlockRemoved")),
+        ("block_hashes", Value::Array(hashes.iter().map(|h| Value::from(*h)).collect())),
+        ("medium", Value::from("GPU")),
+    ])
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::F64(1.7e9), Value::Array(events), Value::from(0u8)]))
+        .unwrap();
+    out
+}
+
+fn chat(content: &str) -> Json {
+    json!({"model": "test-model", "max_tokens": 8, "messages": [{"role": "system", "content": content}, {"role": "user", "content": "go"}]})
+}
+
+/// The prompt tokens the gateway computes for `chat(content)`.
+fn prompt_tokens(content: &str) -> Vec<u32> {
+    let messages = vec![json!({"role": "system", "content": content}), json!({"role": "user", "content": "go"})];
+    BuiltinTokenizer::encode(&BuiltinTokenizer::render(&messages))
+}
+
+fn system_prompt(name: &str) -> String {
+    (0..300).map(|i| format!("{name}{i} ")).collect()
+}
+
+fn worker_toml(id: &str, url: &str, p: &Publisher) -> String {
+    format!("[[workers]]\nid = \"{id}\"\nurl = \"{url}\"\nkv_events = \"{}\"\nreplay = \"{}\"\ntopic = \"kv-events\"\nblock_size = 16\n", p.endpoint, p.replay_endpoint)
+}
+
+async fn cached_on(gw: &Gateway, body: &Json, worker: &str) -> u64 {
+    let d = gw.post("/admin/decide", body).await.json::<Json>().await.unwrap();
+    d["decision"]["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker"] == worker)
+        .map_or(0, |s| s["cached_tokens"].as_u64().unwrap())
+}
+
+async fn stream_view(gw: &Gateway, worker: &str) -> Json {
+    let w = gw.get_json("/admin/workers").await;
+    w["workers"].as_array().unwrap().iter().find(|x| x["id"] == worker).unwrap().clone()
+}
+
+async fn wait_until(gw: &Gateway, what: &str, f: impl Fn(&kvgate_gateway::AppState) -> bool) {
+    assert!(gw.eventually(Duration::from_secs(5), f).await, "timed out waiting for {what}");
+}
+
+fn blocks_held(s: &kvgate_gateway::AppState, w: &str) -> usize {
+    s.router.worker_status(&kvgate_core::WorkerId::new(w), s.clock.now()).map_or(0, |x| x.blocks_held)
+}
+
+/// Publishes a fixed sequence of stores and removals; `drop` lists live batches lost on the way.
+async fn run_stream(drop: &[u64]) -> (usize, Vec<u64>, Json) {
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription settle
+    let prompts: Vec<String> = (0..4).map(|i| system_prompt(&format!("p{i}x"))).collect();
+    let mut seq = 0;
+    for (i, text) in prompts.iter().enumerate() {
+        let t = prompt_tokens(text);
+        p.publish(seq, batch(vec![stored(&t, 1000 * (i as u64 + 1), None)]), drop.contains(&seq)).await;
+        seq += 1;
+    }
+    // Evict the tail of prompt 1: its blocks 5.. (hashes 2005..) go.
+    let tail: Vec<u64> = (2005..2000 + (prompt_tokens(&prompts[1]).len() / BLOCK) as u64).collect();
+    p.publish(seq, batch(vec![removed(&tail)]), drop.contains(&seq)).await;
+    seq += 1;
+    p.publish(seq, batch(vec![]), false).await;
+    let last = seq;
+    wait_until(&gw, "the last batch", |s| s.engines.read().values().all(|e| e.stream.view().last_seq == Some(last)))
+        .await;
+    let mut cached = Vec::new();
+    for text in &prompts {
+        cached.push(cached_on(&gw, &chat(text), "a").await);
+    }
+    (blocks_held(&gw.state, "a"), cached, stream_view(&gw, "a").await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_replayed_and_the_index_ends_as_without_it() {
+    let (held, cached, clean) = run_stream(&[]).await;
+    assert!(held > 0);
+    assert_eq!(cached[1], 5 * BLOCK as u64, "prompt 1 lost its tail");
+    assert!(cached[0] > cached[1] && cached[2] > 0 && cached[3] > 0);
+    let (held_gap, cached_gap, gappy) = run_stream(&[1, 2, 4]).await;
+    assert_eq!((held_gap, cached_gap), (held, cached), "the replayed index is identical");
+    assert!(gappy["kv_events"]["gaps"].as_u64().unwrap() >= 1, "{gappy}");
+    assert!(gappy["kv_events"]["replays"].as_u64().unwrap() >= 1);
+    assert_eq!(gappy["kv_events"]["history_lost"], 0);
+    assert_eq!(gappy["router"]["kv_state"]["state"], "synced");
+    assert_eq!(clean["kv_events"]["gaps"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_clears_the_worker_and_rebuilds_it_from_the_new_process() {
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (old, new) = (system_prompt("old"), system_prompt("new"));
+    for seq in 0..3 {
+        p.publish(seq, batch(if seq == 0 { vec![stored(&prompt_tokens(&old), 10, None)] } else { vec![] }), false)
+            .await;
+    }
+    wait_until(&gw, "the old stream", |s| blocks_held(s, "a") > 0).await;
+    assert!(cached_on(&gw, &chat(&old), "a").await > 0);
+    p.restart();
+    p.publish(0, batch(vec![stored(&prompt_tokens(&new), 7, None)]), false).await;
+    wait_until(&gw, "the restart", |s| s.engines.read().values().all(|e| e.stream.view().restarts == 1)).await;
+    wait_until(&gw, "the rebuild", |s| s.engines.read().values().all(|e| e.stream.view().last_seq == Some(0))).await;
+    assert_eq!(cached_on(&gw, &chat(&old), "a").await, 0, "the old process's blocks are gone");
+    assert!(cached_on(&gw, &chat(&new), "a").await > 0, "the new process's blocks are indexed");
+    assert_eq!(stream_view(&gw, "a").await["router"]["kv_state"]["state"], "synced");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_message_is_counted_and_isolated_to_its_worker() {
+    let (ea, eb) = (fake_engine().await, fake_engine().await);
+    let (mut pa, mut pb) = (Publisher::start().await, Publisher::start().await);
+    let toml = base_toml(&[], &format!("{}{}", worker_toml("a", &ea.url(), &pa), worker_toml("b", &eb.url(), &pb)));
+    let gw = gateway(&toml).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = system_prompt("shared");
+    pa.publish(0, vec![0xc1, 0x00, 0x17], false).await;
+    pb.publish(0, batch(vec![stored(&prompt_tokens(&text), 1, None)]), false).await;
+    wait_until(&gw, "b's batch", |s| blocks_held(s, "b") > 0).await;
+    wait_until(&gw, "a's decode error", |s| s.engines.read().values().any(|e| e.stream.view().decode_errors == 1))
+        .await;
+    let a = stream_view(&gw, "a").await;
+    assert_eq!(a["router"]["kv_state"]["state"], "invalid", "{a}");
+    assert!(a["router"]["kv_state"]["reason"].as_str().unwrap().contains("undecodable"));
+    assert_eq!(stream_view(&gw, "b").await["router"]["kv_state"]["state"], "synced");
+    assert!(cached_on(&gw, &chat(&text), "b").await > 0, "the healthy worker's stream is unaffected");
+    assert_eq!(gw.post("/v1/chat/completions", &chat(&text)).await.status(), 200, "the gateway keeps serving");
+    let metrics = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_kv_decode_errors_total{engine=\"a\"} 1"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_decide_reflects_stored_and_removed_blocks() {
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = system_prompt("doc");
+    let tokens = prompt_tokens(&text);
+    let blocks = (tokens.len() / BLOCK) as u64;
+    p.publish(0, batch(vec![stored(&tokens, 100, None)]), false).await;
+    wait_until(&gw, "the store", |s| blocks_held(s, "a") == blocks as usize).await;
+    gw.wait_for_load().await;
+    assert_eq!(cached_on(&gw, &chat(&text), "a").await, blocks * BLOCK as u64);
+    p.publish(1, batch(vec![removed(&[100])]), false).await;
+    wait_until(&gw, "the removal", |s| blocks_held(s, "a") == blocks as usize - 1).await;
+    assert_eq!(cached_on(&gw, &chat(&text), "a").await, 0, "without its first block nothing of the prefix matches");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_prefix_draws_its_requests_to_the_engine_until_that_engine_is_overloaded() {
+    let (ea, eb) = (fake_engine().await, fake_engine().await);
+    let (pa, mut pb) = (Publisher::start().await, Publisher::start().await);
+    let toml = base_toml(&[], &format!("{}{}", worker_toml("a", &ea.url(), &pa), worker_toml("b", &eb.url(), &pb)));
+    let gw = gateway(&toml).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw.wait_for_load().await;
+    let text = system_prompt("hot");
+    pb.publish(0, batch(vec![stored(&prompt_tokens(&text), 1, None)]), false).await;
+    wait_until(&gw, "b's store", |s| blocks_held(s, "b") > 0).await;
+    for _ in 0..3 {
+        assert_eq!(gw.post("/v1/chat/completions", &chat(&text)).await.status(), 200);
+    }
+    assert_eq!((ea.requests(), eb.requests()), (0, 3), "an idle owner wins on its cache");
+    let log = gw.get_json("/admin/decisions?limit=1").await;
+    assert_eq!(log["decisions"][0]["decision"]["reason"], "cache_and_load");
+    eb.set(|b| b.load = (60, 600_000, 40));
+    wait_until(&gw, "b's load report", |s| s.router.workers(s.clock.now()).iter().any(|w| w.waiting_requests >= 60))
+        .await;
+    assert_eq!(gw.post("/v1/chat/completions", &chat(&text)).await.status(), 200);
+    assert_eq!((ea.requests(), eb.requests()), (1, 3), "an overloaded owner loses to an idle peer");
+}

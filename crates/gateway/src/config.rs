@@ -100,7 +100,7 @@ impl WorkerSpec {
             if let Some(ep) = v {
                 let ok = ep.strip_prefix("tcp://").is_some_and(|rest| {
                     rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-                }) || ep.starts_with("ipc://");
+                });
                 if !ok {
                     return Err(GatewayError::Config(format!(
                         "worker {}: {key} {ep:?} must look like tcp://host:port",

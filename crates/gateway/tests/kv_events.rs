@@ -32,10 +32,15 @@ struct Publisher {
 
 impl Publisher {
     async fn start() -> Publisher {
+        Self::start_at("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await.unwrap()
+    }
+
+    /// A publisher on given endpoints; `None` if one of them is taken.
+    async fn start_at(pub_at: &str, replay_at: &str) -> Option<Publisher> {
         let mut pub_socket = zeromq::PubSocket::new();
-        let endpoint = pub_socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let endpoint = pub_socket.bind(pub_at).await.ok()?.to_string();
         let mut router = zeromq::RouterSocket::new();
-        let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let replay_endpoint = router.bind(replay_at).await.ok()?.to_string();
         let history: History = Arc::default();
         let h = history.clone();
         tokio::spawn(async move {
@@ -57,7 +62,7 @@ impl Publisher {
                 router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
             }
         });
-        Publisher { pub_socket, history, endpoint, replay_endpoint, topic: "kv-events" }
+        Some(Publisher { pub_socket, history, endpoint, replay_endpoint, topic: "kv-events" })
     }
 
     /// Records a batch for replay and, unless `drop_live`, publishes it live.
@@ -278,4 +283,35 @@ async fn a_stored_prefix_draws_its_requests_to_the_engine_until_that_engine_is_o
         .await;
     assert_eq!(gw.post("/v1/chat/completions", &chat(&text)).await.status(), 200);
     assert_eq!((ea.requests(), eb.requests()), (1, 3), "an overloaded owner loses to an idle peer");
+}
+
+fn port_of(endpoint: &str) -> u16 {
+    endpoint.rsplit_once(':').unwrap().1.parse().unwrap()
+}
+
+/// Two publishers on consecutive ports (ranks 0 and 1 of a data-parallel engine).
+async fn two_ranks() -> (Publisher, Publisher) {
+    for _ in 0..50 {
+        let r0 = Publisher::start().await;
+        let (p, q) = (port_of(&r0.endpoint) + 1, port_of(&r0.replay_endpoint) + 1);
+        if let Some(r1) = Publisher::start_at(&format!("tcp://127.0.0.1:{p}"), &format!("tcp://127.0.0.1:{q}")).await {
+            return (r0, r1);
+        }
+    }
+    panic!("no consecutive free ports");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_data_parallel_rank_feeds_its_engine_index() {
+    let engine = fake_engine().await;
+    let (mut r0, mut r1) = two_ranks().await;
+    let toml = base_toml(&[], &format!("{}dp_size = 2\n", worker_toml("a", &engine.url(), &r0)));
+    let gw = gateway(&toml).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (t0, t1) = (system_prompt("rank0-"), system_prompt("rank1-"));
+    r0.publish(0, batch(vec![stored(&prompt_tokens(&t0), 100, None)]), false).await;
+    r1.publish(0, batch(vec![stored(&prompt_tokens(&t1), 900, None)]), false).await;
+    wait_until(&gw, "both ranks", |s| s.engines.read().values().all(|e| e.stream.view().batches == 2)).await;
+    assert!(cached_on(&gw, &chat(&t0), "a").await > 0);
+    assert!(cached_on(&gw, &chat(&t1), "a").await > 0, "rank 1's stream on port + 1 is indexed too");
 }

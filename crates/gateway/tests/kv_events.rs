@@ -315,3 +315,40 @@ async fn every_data_parallel_rank_feeds_its_engine_index() {
     assert!(cached_on(&gw, &chat(&t0), "a").await > 0);
     assert!(cached_on(&gw, &chat(&t1), "a").await > 0, "rank 1's stream on port + 1 is indexed too");
 }
+
+fn vector(name: &str) -> Option<Json> {
+    let path = format!("{}/../../../shared/data/kv-events/{name}", env!("CARGO_MANIFEST_DIR"));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Some(serde_json::from_str(&text).unwrap()),
+        Err(_) => {
+            eprintln!("skipping: {path} not found (../shared is absent)");
+            None
+        }
+    }
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// vLLM 0.33's own bytes (seq 0, 1, then 0 from a restarted process) through real sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_own_restart_vector_replays_through_real_sockets() {
+    let Some(v) = vector("vllm-0.33-restart-seq-reset.json") else { return };
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let messages = v["frames_hex"].as_array().unwrap();
+    let payload = |i: usize| unhex(messages[i][2].as_str().unwrap());
+    let tokens: Json = json!({"input_ids": (1..=48).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 4}});
+    p.publish(0, payload(0), false).await;
+    p.publish(1, payload(1), false).await;
+    wait_until(&gw, "three blocks", |s| blocks_held(s, "a") == 3).await;
+    assert_eq!(cached_on(&gw, &tokens, "a").await, 48, "the chained store links to its parent");
+    p.restart();
+    p.publish(0, payload(2), false).await;
+    wait_until(&gw, "the restart", |s| s.engines.read().values().all(|e| e.stream.view().restarts == 1)).await;
+    wait_until(&gw, "the rebuilt index", |s| blocks_held(s, "a") == 2).await;
+    assert_eq!(cached_on(&gw, &tokens, "a").await, 32, "only the new process's two blocks remain");
+}

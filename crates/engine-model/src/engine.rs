@@ -51,6 +51,8 @@ pub struct Finished {
 pub struct StepOutcome {
     /// Requests whose first token was produced in this step.
     pub first_tokens: Vec<RequestId>,
+    /// Requests that produced a further (not first) token in this step.
+    pub decoded: Vec<RequestId>,
     /// Requests that finished in this step.
     pub finished: Vec<Finished>,
     /// KV events published at the end of the step, if any.
@@ -255,6 +257,7 @@ impl Engine {
             let r = &mut self.running[i];
             if chunk == 0 {
                 r.generated += 1;
+                out.decoded.push(r.id);
                 continue;
             }
             r.prefilled += chunk;

@@ -1,0 +1,147 @@
+//! The engine model in real time: one task owns the [`Engine`], runs its steps with their modelled
+//! durations (divided by the speed-up), and tells each request's handler about its tokens.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_core::{LoadSnapshot, RequestId, Timestamp};
+use kvgate_engine_model::{Engine, EngineRequest, EventBatch};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+/// What a request's handler hears from the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenEvent {
+    /// The first token.
+    First,
+    /// Another token.
+    Token,
+    /// Finished: prompt tokens, of which cached, and tokens generated.
+    Done {
+        /// Prompt tokens.
+        prompt_tokens: u64,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: u64,
+        /// Tokens generated.
+        output_tokens: u64,
+    },
+    /// The engine dropped the request (restart).
+    Failed,
+}
+
+/// Commands to the stepper.
+#[derive(Debug)]
+pub enum Command {
+    /// Queue a request.
+    Submit(EngineRequest, mpsc::UnboundedSender<TokenEvent>),
+    /// Restart the engine process.
+    Restart,
+    /// Freeze for a while (no steps).
+    Stall(Duration),
+}
+
+/// State the HTTP side reads.
+#[derive(Debug, Default)]
+pub struct Shared {
+    /// The latest load, as the engine would report it.
+    pub load: Mutex<LoadSnapshot>,
+    /// Prompt tokens admitted since start.
+    pub prompt_tokens: AtomicU64,
+    /// Of those, served from the prefix cache.
+    pub cached_tokens: AtomicU64,
+    /// Deepest waiting queue seen.
+    pub max_waiting: AtomicU64,
+    /// Requests finished.
+    pub finished: AtomicU64,
+}
+
+/// Runs the engine until the command channel closes.
+pub async fn run(
+    mut engine: Engine,
+    speedup: f64,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    batches: mpsc::UnboundedSender<EventBatch>,
+    shared: Arc<Shared>,
+    clock: kvgate_gateway::clock::Clock,
+) {
+    let mut listeners: HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>> = HashMap::new();
+    let mut salt = 1u64;
+    loop {
+        // Take every pending command; block for one only when there is nothing to run.
+        loop {
+            let cmd = if engine.has_work() {
+                match commands.try_recv() {
+                    Ok(c) => c,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            } else {
+                match commands.recv().await {
+                    Some(c) => c,
+                    None => return,
+                }
+            };
+            match cmd {
+                Command::Submit(req, tx) => {
+                    listeners.insert(req.id, tx);
+                    engine.submit(req);
+                }
+                Command::Restart => {
+                    salt = salt.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    for id in engine.restart(salt) {
+                        if let Some(tx) = listeners.remove(&id) {
+                            let _ = tx.send(TokenEvent::Failed);
+                        }
+                    }
+                    if let Some(b) = engine.flush_idle() {
+                        let _ = batches.send(b);
+                    }
+                }
+                Command::Stall(d) => tokio::time::sleep(d).await,
+            }
+        }
+        if let Some(b) = engine.flush_idle() {
+            let _ = batches.send(b);
+        }
+        let Some(micros) = engine.begin_step() else {
+            publish_load(&engine, &shared, clock.now());
+            continue;
+        };
+        tokio::time::sleep(Duration::from_secs_f64(micros as f64 / 1e6 / speedup)).await;
+        let out = engine.end_step();
+        for id in out.first_tokens {
+            if let Some(tx) = listeners.get(&id) {
+                let _ = tx.send(TokenEvent::First);
+            }
+        }
+        for id in out.decoded {
+            if let Some(tx) = listeners.get(&id) {
+                let _ = tx.send(TokenEvent::Token);
+            }
+        }
+        for f in out.finished {
+            shared.finished.fetch_add(1, Ordering::Relaxed);
+            if let Some(tx) = listeners.remove(&f.id) {
+                let _ = tx.send(TokenEvent::Done {
+                    prompt_tokens: f.prompt_tokens,
+                    cached_tokens: f.cached_tokens,
+                    output_tokens: f.output_tokens,
+                });
+            }
+        }
+        if let Some(b) = out.batch {
+            let _ = batches.send(b);
+        }
+        shared.prompt_tokens.store(engine.prompt_tokens_total, Ordering::Relaxed);
+        shared.cached_tokens.store(engine.cached_tokens_total, Ordering::Relaxed);
+        publish_load(&engine, &shared, clock.now());
+    }
+}
+
+fn publish_load(engine: &Engine, shared: &Shared, now: Timestamp) {
+    let load = engine.load(now);
+    shared.max_waiting.fetch_max(load.waiting_requests, Ordering::Relaxed);
+    *shared.load.lock() = load;
+}

@@ -401,7 +401,7 @@ impl<'w> Simulation<'w> {
     }
 
     fn step_end(&mut self, w: usize, now: Timestamp) {
-        let StepOutcome { first_tokens, finished, batch } = self.hosts[w].engine.end_step();
+        let StepOutcome { first_tokens, finished, batch, .. } = self.hosts[w].engine.end_step();
         let host = &mut self.hosts[w];
         host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
         for id in first_tokens {

@@ -84,7 +84,7 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
     assert_eq!(resp.status(), 200);
     let text = resp.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    let usage_line = text.lines().filter(|l| l.contains("\"usage\"")).last().unwrap();
+    let usage_line = text.lines().rfind(|l| l.contains("\"usage\"")).unwrap();
     let usage: Value = serde_json::from_str(usage_line.strip_prefix("data: ").unwrap()).unwrap();
     let cached = usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(cached >= 1400, "the second request hit the owner's cache: {cached} cached tokens");

@@ -2,6 +2,7 @@
 //! the library crates.
 
 mod decide;
+mod demo;
 mod serve;
 mod sim;
 
@@ -46,6 +47,12 @@ enum Command {
     /// Settings come from --config FILE (TOML), then environment variables, then flags.
     /// See docs/operations.md.
     Serve(Box<serve::ServeArgs>),
+    /// Run a mock engine: the simulator's engine model in real time behind SGLang/vLLM endpoints,
+    /// with KV events over ZMQ. No GPU needed.
+    MockEngine(Box<demo::MockEngineArgs>),
+    /// The one-command demo: mock engines and the gateway on loopback, a multi-prefix burst over
+    /// real HTTP, once per mode (off, shadow, enforce) and once with the cache_aware baseline.
+    Demo(Box<demo::DemoArgs>),
 }
 
 fn main() -> ExitCode {
@@ -70,6 +77,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Sim(args) => sim::run(*args),
         Command::Serve(args) => serve::run(*args),
+        Command::MockEngine(args) => demo::mock_engine(*args),
+        Command::Demo(args) => demo::run(*args),
     }
 }
 

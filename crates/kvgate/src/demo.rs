@@ -1,0 +1,194 @@
+//! `kvgate demo` and `kvgate mock-engine`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use kvgate_demo::DemoConfig;
+use kvgate_engine_model::EngineProfile;
+use kvgate_mock_engine::{EventFormat, Faults, MockConfig, MockEngine};
+
+use crate::sim::Format;
+
+/// Flags of `kvgate demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Mock engines.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Seconds of traffic per run.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Requests per second.
+    #[arg(long, default_value_t = 50.0)]
+    rate: f64,
+    /// Engine model speed-up (1: the engines run at the modelled speed).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Seed of arrivals and contents.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Policy entries to run, as `kvgate sim --compare` names them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "projected:off,projected:shadow,projected:enforce,cache_aware_seeded"
+    )]
+    runs: Vec<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Write per-engine queue depth over time and TTFT percentiles to this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// Runs `kvgate demo`.
+pub fn run(a: DemoArgs) -> anyhow::Result<()> {
+    if a.workers == 0 || a.workers > 64 {
+        bail!("--workers must be between 1 and 64");
+    }
+    let in_range = |v: f64, max: f64| v > 0.0 && v <= max;
+    if !in_range(a.duration, 3600.0) || !in_range(a.rate, 1000.0) || !in_range(a.speedup, 100.0) {
+        bail!("--duration must be in (0, 3600], --rate in (0, 1000] and --speedup in (0, 100]");
+    }
+    let cfg = DemoConfig {
+        workers: a.workers,
+        duration_s: a.duration,
+        rate: a.rate,
+        speedup: a.speedup,
+        seed: a.seed,
+        runs: a.runs.clone(),
+        timeline: a.plot.is_some(),
+        ..DemoConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let per_run = kvgate_demo::requests_per_run(&cfg) as u64;
+    let reports = runtime.block_on(async {
+        let mut reports = Vec::new();
+        for (i, entry) in cfg.runs.iter().enumerate() {
+            let progress = Arc::new(AtomicU64::new(0));
+            let bar = {
+                let (progress, entry, n) = (progress.clone(), entry.clone(), cfg.runs.len());
+                tokio::spawn(async move {
+                    loop {
+                        let done = progress.load(Ordering::Relaxed).min(per_run);
+                        let width = 30;
+                        let filled = (done * width / per_run.max(1)) as usize;
+                        eprint!(
+                            "\r[{}/{n}] {entry:<20} [{}{}] {done}/{per_run} requests",
+                            i + 1,
+                            "#".repeat(filled),
+                            ".".repeat(width as usize - filled)
+                        );
+                        let _ = std::io::stderr().flush();
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                })
+            };
+            let report = kvgate_demo::run_one(&cfg, entry, progress).await;
+            bar.abort();
+            eprintln!();
+            reports.push(report.map_err(|e| anyhow::anyhow!("{entry}: {e}"))?);
+        }
+        Ok::<_, anyhow::Error>(reports)
+    })?;
+    if let Some(path) = &a.plot {
+        std::fs::write(path, kvgate_sim::plot::svg(&reports))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    match a.format {
+        Format::Table => {
+            println!(
+                "kvgate demo: {} mock engines over loopback HTTP, {} requests per run, speed-up {}",
+                cfg.workers, per_run, cfg.speedup
+            );
+            print!("{}", kvgate_sim::report::table(&reports));
+            println!("(maxQ: the busiest engine's peak waiting queue; owner: share of the hottest prompt sent to its first owner)");
+        }
+        Format::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?),
+    }
+    Ok(())
+}
+
+/// Flags of `kvgate mock-engine`.
+#[derive(Debug, Args)]
+pub struct MockEngineArgs {
+    /// Address to listen on (HTTP and ZMQ).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// HTTP port (0: any).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// KV-event PUB port (0: any).
+    #[arg(long, default_value_t = 5557)]
+    kv_port: u16,
+    /// Replay ROUTER port (0: any).
+    #[arg(long, default_value_t = 5558)]
+    replay_port: u16,
+    /// Engine profile: llama3-8b-h100 (b, default, block 16) or large-moe-h200 (a, block 64).
+    #[arg(long, default_value = "llama3-8b-h100")]
+    profile: String,
+    /// Model time runs this many times faster than real time.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// KV-event wire format: vllm or sglang.
+    #[arg(long, default_value = "vllm")]
+    event_format: String,
+    /// Model name served.
+    #[arg(long, default_value = "mock-model")]
+    model: String,
+    /// Fraction of live KV batches to drop (replays keep them).
+    #[arg(long, default_value_t = 0.0)]
+    drop_events: f64,
+    /// Milliseconds to delay every live KV batch.
+    #[arg(long, default_value_t = 0)]
+    delay_events_ms: u64,
+    /// Fraction of requests to fail with HTTP 500.
+    #[arg(long, default_value_t = 0.0)]
+    fail_requests: f64,
+    /// Seed of block hashes and injected failures.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// Runs `kvgate mock-engine` until Ctrl-C.
+pub fn mock_engine(a: MockEngineArgs) -> anyhow::Result<()> {
+    let profile = EngineProfile::by_name(&a.profile).with_context(|| format!("unknown profile {:?}", a.profile))?;
+    let format = match a.event_format.as_str() {
+        "vllm" => EventFormat::Vllm,
+        "sglang" => EventFormat::Sglang,
+        other => bail!("--event-format must be vllm or sglang, not {other:?}"),
+    };
+    let cfg = MockConfig {
+        host: a.host,
+        port: a.port,
+        kv_port: a.kv_port,
+        replay_port: a.replay_port,
+        profile,
+        speedup: a.speedup,
+        format,
+        model: a.model,
+        faults: Faults {
+            drop_events: a.drop_events,
+            delay_events: Duration::from_millis(a.delay_events_ms),
+            fail_requests: a.fail_requests,
+        },
+        seed: a.seed,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let engine = MockEngine::start(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
+        println!(
+            "mock engine: http {}  kv_events {}  replay {}  block_size {}",
+            engine.url, engine.kv_events, engine.replay, engine.block_size
+        );
+        tokio::signal::ctrl_c().await?;
+        engine.kill();
+        Ok(())
+    })
+}

@@ -28,6 +28,10 @@ use crate::state::AppState;
 
 /// How long a replay may take before the gap is treated as lost history.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// After this long without a live message, ask the replay socket for anything newer than what was
+/// applied. PUB drops silently above its high-water mark (and before a new subscription is joined),
+/// and a lost last message is otherwise revealed only by the next one.
+pub const IDLE_CATCH_UP: Duration = Duration::from_secs(2);
 /// First and longest waits between reconnect attempts.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
@@ -150,8 +154,22 @@ impl Subscriber {
         socket.connect(&self.cfg.endpoint).await.map_err(|e| e.to_string())?;
         socket.subscribe(&self.cfg.topic).await.map_err(|e| e.to_string())?;
         tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "subscribed to KV events");
+        // Catch up on what the engine published before this subscription (§8: replay from 0).
+        if self.cfg.replay.is_some() && self.tracker.applied().is_none() {
+            let Some(state) = self.state.upgrade() else { return Ok(()) };
+            self.catch_up(&state).await;
+        }
         loop {
-            let msg = socket.recv().await.map_err(|e| e.to_string())?;
+            let msg = match tokio::time::timeout(IDLE_CATCH_UP, socket.recv()).await {
+                Ok(msg) => msg.map_err(|e| e.to_string())?,
+                Err(_) => {
+                    let Some(state) = self.state.upgrade() else { return Ok(()) };
+                    if self.cfg.replay.is_some() {
+                        self.catch_up(&state).await;
+                    }
+                    continue;
+                }
+            };
             let Some(state) = self.state.upgrade() else { return Ok(()) };
             self.on_message(&state, msg.into_vec()).await;
         }
@@ -175,7 +193,13 @@ impl Subscriber {
             self.count(state, |m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
             tracing::debug!(engine = %self.cfg.worker, skipped = ?msg.batch.skipped, "KV events skipped");
         }
-        match self.tracker.on_live(msg.seq, (msg.seq, msg.batch.batch.events)) {
+        let action = self.tracker.on_live(msg.seq, (msg.seq, msg.batch.batch.events));
+        self.act(state, action).await;
+    }
+
+    /// Carries out what the tracker decided about a batch.
+    async fn act(&mut self, state: &AppState, action: LiveAction<Batch>) {
+        match action {
             LiveAction::Apply(batches) => self.apply(state, batches),
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {
@@ -224,6 +248,24 @@ impl Subscriber {
             self.stats.batches.fetch_add(1, Ordering::Relaxed);
             self.stats.events.fetch_add(events.len() as u64, Ordering::Relaxed);
             self.count(state, |m| &m.kv_events, events.len() as u64);
+        }
+    }
+
+    /// Applies anything the replay socket has beyond what was applied, without counting a gap.
+    async fn catch_up(&mut self, state: &AppState) {
+        let from = self.tracker.applied().map_or(0, |a| a + 1);
+        let Some(endpoint) = self.cfg.replay.clone() else { return };
+        let Ok(Ok(batches)) = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&endpoint, from)).await else { return };
+        if batches.is_empty() {
+            return;
+        }
+        for (seq, events) in batches {
+            let action = self.tracker.on_live(seq, (seq, events));
+            let resolves_itself = matches!(action, LiveAction::Replay { .. } | LiveAction::Restart);
+            self.act(state, action).await;
+            if resolves_itself {
+                break; // that replay fetched the rest
+            }
         }
     }
 

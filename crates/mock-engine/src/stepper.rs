@@ -68,6 +68,7 @@ pub async fn run(
 ) {
     let mut listeners: HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>> = HashMap::new();
     let mut salt = 1u64;
+    let mut stalled_until: Option<std::time::Instant> = None;
     loop {
         // Take every pending command; block for one only when there is nothing to run.
         loop {
@@ -99,8 +100,29 @@ pub async fn run(
                         let _ = batches.send(b);
                     }
                 }
-                Command::Stall(d) => tokio::time::sleep(d).await,
+                Command::Stall(d) => stalled_until = Some(clock.instant() + d),
             }
+        }
+        // A stalled engine still queues what arrives (and reports it), but runs no step.
+        if let Some(until) = stalled_until {
+            if clock.instant() < until {
+                publish_load(&engine, &shared, clock.now());
+                let left = until.saturating_duration_since(clock.instant());
+                tokio::select! {
+                    _ = tokio::time::sleep(left.min(Duration::from_millis(20))) => {}
+                    cmd = commands.recv() => match cmd {
+                        Some(Command::Submit(req, tx)) => {
+                            listeners.insert(req.id, tx);
+                            engine.submit(req);
+                        }
+                        Some(Command::Stall(d)) => stalled_until = Some(clock.instant() + d),
+                        Some(Command::Restart) => stalled_until = None,
+                        None => return,
+                    },
+                }
+                continue;
+            }
+            stalled_until = None;
         }
         if let Some(b) = engine.flush_idle() {
             let _ = batches.send(b);

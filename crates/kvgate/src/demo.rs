@@ -97,20 +97,13 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
         Ok::<_, anyhow::Error>(reports)
     })?;
-    if let Some(path) = &a.plot {
-        std::fs::write(path, kvgate_sim::plot::svg(&reports))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    match a.format {
-        Format::Table => {
-            println!(
-                "kvgate demo: {} mock engines over loopback HTTP, {} requests per run, speed-up {}",
-                cfg.workers, per_run, cfg.speedup
-            );
-            print!("{}", kvgate_sim::report::table(&reports));
-            println!("(maxQ: the busiest engine's peak waiting queue; owner: share of the hottest prompt sent to its first owner)");
-        }
-        Format::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?),
+    let header = format!(
+        "kvgate demo: {} mock engines over loopback HTTP, {} requests per run, speed-up {}",
+        cfg.workers, per_run, cfg.speedup
+    );
+    crate::sim::write_reports(&reports, a.plot.as_deref(), a.format, false, &header)?;
+    if a.format == Format::Table {
+        println!("(maxQ: the busiest engine's peak waiting queue; owner: share of the hottest prompt sent to its first owner)");
     }
     Ok(())
 }

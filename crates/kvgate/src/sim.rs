@@ -174,21 +174,30 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
         reports.push(kvgate_sim::run(&workload, cfg)?);
     }
-    if let Some(path) = &a.plot {
-        std::fs::write(path, kvgate_sim::plot::svg(&reports))
+    let header =
+        format!("scenario {} ({} engines, profile {}, seed {})", workload.name, workload.workers, profile.name, a.seed);
+    write_reports(&reports, a.plot.as_deref(), a.format, a.compare.is_empty(), &header)
+}
+
+/// Writes the plot (if asked) and prints the reports as a table under `header`, or as JSON: one
+/// report when `single`, else `{"runs": [...]}`.
+pub fn write_reports(
+    reports: &[report::Report],
+    plot: Option<&std::path::Path>,
+    format: Format,
+    single: bool,
+    header: &str,
+) -> anyhow::Result<()> {
+    if let Some(path) = plot {
+        std::fs::write(path, kvgate_sim::plot::svg(reports))
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    match a.format {
+    match format {
         Format::Table => {
-            println!(
-                "scenario {} ({} engines, profile {}, seed {})",
-                workload.name, workload.workers, profile.name, a.seed
-            );
-            print!("{}", report::table(&reports));
+            println!("{header}");
+            print!("{}", report::table(reports));
         }
-        Format::Json if a.compare.is_empty() => {
-            println!("{}", serde_json::to_string_pretty(&reports[0])?)
-        }
+        Format::Json if single => println!("{}", serde_json::to_string_pretty(&reports[0])?),
         Format::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?),
     }
     Ok(())

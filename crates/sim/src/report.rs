@@ -208,17 +208,10 @@ impl Recorder {
                 failed: count(Outcome::Failed),
                 unfinished: count(Outcome::Unfinished),
             },
-            throughput: Throughput {
-                output_tokens_per_s: round(output as f64 / span),
-                requests_per_s: round(completed.len() as f64 / span),
-            },
-            ttft_s: Percentiles3 { p50: pct(&mut ttft, 0.50), p90: pct(&mut ttft, 0.90), p99: pct(&mut ttft, 0.99) },
-            e2e_s: Percentiles2 { p50: pct(&mut e2e, 0.50), p99: pct(&mut e2e, 0.99) },
-            cache: Cache {
-                hit_rate: round(if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }),
-                prompt_tokens: prompt,
-                prefill_tokens_computed: prompt - cached,
-            },
+            throughput: Throughput::over(output, completed.len() as u64, span),
+            ttft_s: Percentiles3::of(&mut ttft),
+            e2e_s: Percentiles2::of(&mut e2e),
+            cache: Cache::of(prompt, cached),
             workers: (0..self.worker_requests.len())
                 .map(|w| WorkerReport {
                     id: format!("w{w}"),
@@ -244,12 +237,13 @@ impl Recorder {
     }
 }
 
-fn round(x: f64) -> f64 {
+/// Rounds a reported figure to 4 decimals, so reports compare byte for byte.
+pub fn round(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
 
 /// Nearest-rank percentile.
-fn pct(v: &mut [f64], q: f64) -> f64 {
+pub fn pct(v: &mut [f64], q: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -280,6 +274,42 @@ pub struct Throughput {
     pub output_tokens_per_s: f64,
     /// Completed requests per second.
     pub requests_per_s: f64,
+}
+
+impl Throughput {
+    /// Output tokens and completed requests over `span` seconds.
+    pub fn over(output_tokens: u64, completed: u64, span_s: f64) -> Self {
+        let span = span_s.max(1e-9);
+        Throughput {
+            output_tokens_per_s: round(output_tokens as f64 / span),
+            requests_per_s: round(completed as f64 / span),
+        }
+    }
+}
+
+impl Percentiles3 {
+    /// The percentiles of `samples` (sorted in place).
+    pub fn of(samples: &mut [f64]) -> Self {
+        Percentiles3 { p50: pct(samples, 0.50), p90: pct(samples, 0.90), p99: pct(samples, 0.99) }
+    }
+}
+
+impl Percentiles2 {
+    /// The percentiles of `samples` (sorted in place).
+    pub fn of(samples: &mut [f64]) -> Self {
+        Percentiles2 { p50: pct(samples, 0.50), p99: pct(samples, 0.99) }
+    }
+}
+
+impl Cache {
+    /// The cache effect of `cached` tokens out of `prompt`.
+    pub fn of(prompt: u64, cached: u64) -> Self {
+        Cache {
+            hit_rate: round(if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }),
+            prompt_tokens: prompt,
+            prefill_tokens_computed: prompt.saturating_sub(cached),
+        }
+    }
 }
 
 /// p50, p90, p99.

@@ -72,7 +72,11 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         let mut reports = Vec::new();
         for (i, entry) in cfg.runs.iter().enumerate() {
             let progress = Arc::new(AtomicU64::new(0));
-            let bar = {
+            let interactive = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            if !interactive {
+                eprintln!("[{}/{}] {entry}: {per_run} requests", i + 1, cfg.runs.len());
+            }
+            let bar = interactive.then(|| {
                 let (progress, entry, n) = (progress.clone(), entry.clone(), cfg.runs.len());
                 tokio::spawn(async move {
                     loop {
@@ -89,10 +93,12 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 })
-            };
+            });
             let report = kvgate_demo::run_one(&cfg, entry, progress).await;
-            bar.abort();
-            eprintln!();
+            if let Some(bar) = bar {
+                bar.abort();
+                eprintln!();
+            }
             reports.push(report.map_err(|e| anyhow::anyhow!("{entry}: {e}"))?);
         }
         Ok::<_, anyhow::Error>(reports)

@@ -186,7 +186,7 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
         profile.block_size
     );
     // The router plans in model seconds; the engines run `speedup` times faster than that.
-    let decode = profile.decode_tokens_per_s(64, 4096);
+    let decode = profile.decode_tokens_per_s(profile.max_running as u64, 4096);
     for (i, e) in engines.iter().enumerate() {
         toml.push_str(&format!(
             "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\n",

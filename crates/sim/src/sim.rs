@@ -150,7 +150,7 @@ impl<'w> Simulation<'w> {
             workers: workload.workers,
             block_size: p.block_size,
             prefill_tokens_per_s: p.prefill_tokens_per_s,
-            decode_tokens_per_s: p.decode_tokens_per_s(64, 4096),
+            decode_tokens_per_s: p.decode_tokens_per_s(p.max_running as u64, 4096),
             kv_capacity_tokens: p.kv_capacity_tokens,
         };
         let view = vec![WorkerView { healthy: true, ..WorkerView::default() }; workload.workers];
@@ -377,7 +377,7 @@ impl<'w> Simulation<'w> {
         let p = &self.cfg.profile;
         let (queued, decode) = v.snapshot.map_or((0, 0), |s| (s.waiting_tokens, s.active_decode_tokens));
         (queued + v.sent_tokens_since_poll) as f64 / p.prefill_tokens_per_s
-            + decode as f64 / p.decode_tokens_per_s(64, 4096)
+            + decode as f64 / p.decode_tokens_per_s(p.max_running as u64, 4096)
     }
 
     fn submit(&mut self, w: usize, req: EngineRequest, now: Timestamp) {

@@ -244,36 +244,35 @@ async fn an_engine_restart_mid_run_clears_its_cache_credit_until_new_events_arri
     let id = kvgate_core::WorkerId::new(&owner);
     let stream = || gw.state.engine(&id).unwrap().stream.view();
     wait("the restart to be detected", || stream().restarts == 1).await;
-    wait("the new blocks", || stream().last_seq == Some(0) || stream().batches > 0).await;
-    let d: Value = gw
-        .client
-        .post(format!("{}/admin/decide", gw.url))
-        .json(&chat(&old, "q2", false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let credit = d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
-        ["cached_tokens"]
-        .clone();
-    assert_eq!(credit, 0, "the restarted engine lost the old prompt");
-    let d: Value = gw
-        .client
-        .post(format!("{}/admin/decide", gw.url))
-        .json(&chat(&new, "q2", false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let credit = d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
-        ["cached_tokens"]
-        .as_u64()
-        .unwrap();
+    let credit_for = |prompt: String| {
+        let (client, url, owner) = (gw.client.clone(), gw.url.clone(), owner.clone());
+        async move {
+            let d: Value = client
+                .post(format!("{url}/admin/decide"))
+                .json(&chat(&prompt, "q2", false))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
+                ["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    // The new process's events arrive (replayed from 0 after the restart) and are credited.
+    let mut credit = 0;
+    for _ in 0..250 {
+        credit = credit_for(new.clone()).await;
+        if credit > 1000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(credit > 1000, "the new process's blocks are credited: {credit}");
+    assert_eq!(credit_for(old.clone()).await, 0, "the restarted engine lost the old prompt");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

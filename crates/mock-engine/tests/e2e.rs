@@ -81,6 +81,20 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(owner.is_some(), "the engine's KV events reached the gateway");
+    // Engines report running requests, not their remaining decode tokens, and the gateway assumes
+    // 256 each: wait for a report taken after the first request finished.
+    for _ in 0..100 {
+        if gw
+            .state
+            .router
+            .workers(gw.state.clock.now())
+            .iter()
+            .all(|w| w.running_requests == 0 && w.waiting_requests == 0)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let resp = gw
         .client
         .post(format!("{}/v1/chat/completions", gw.url))
@@ -94,9 +108,9 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
     let usage_line = text.lines().rfind(|l| l.contains("\"usage\"")).unwrap();
     let usage: Value = serde_json::from_str(usage_line.strip_prefix("data: ").unwrap()).unwrap();
     let cached = usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached >= 1400, "the second request hit the owner's cache: {cached} cached tokens");
     let log: Value =
         gw.client.get(format!("{}/admin/decisions?limit=1", gw.url)).send().await.unwrap().json().await.unwrap();
+    assert!(cached >= 1400, "the second request hit the owner's cache: {cached} cached tokens; {log}");
     assert_eq!(log["decisions"][0]["decision"]["reason"], "cache_and_load");
     assert_eq!(log["decisions"][0]["decision"]["worker"], owner.unwrap().as_str());
 }

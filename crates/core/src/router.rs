@@ -285,8 +285,8 @@ impl Router {
             return Err(DecideError::DuplicateRequest(req.id));
         }
         let scored = self.score_all(fleet, req, now, &cfg);
-        let load_winner = least_load::pick(&scored.iter().map(|s| s.terms).collect::<Vec<_>>(), draw)
-            .ok_or(DecideError::NoEligibleWorker)?;
+        let load_winner =
+            least_load::pick(scored.len(), |i| &scored[i].terms, draw).ok_or(DecideError::NoEligibleWorker)?;
 
         let (chosen, reason, enforce) = match cfg.name {
             PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),

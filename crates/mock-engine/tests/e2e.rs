@@ -60,16 +60,7 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
     let gw = gateway(&es, "").await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let system = long_prompt("sys");
-    let first: Value = gw
-        .client
-        .post(format!("{}/v1/chat/completions", gw.url))
-        .json(&chat(&system, "q1", false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let first: Value = post(&gw, &chat(&system, "q1", false)).await.json().await.unwrap();
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     // Wait until the owner's KV events reach the gateway.
     let mut owner = None;
@@ -95,13 +86,7 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let resp = gw
-        .client
-        .post(format!("{}/v1/chat/completions", gw.url))
-        .json(&chat(&system, "q2", true))
-        .send()
-        .await
-        .unwrap();
+    let resp = post(&gw, &chat(&system, "q2", true)).await;
     assert_eq!(resp.status(), 200);
     let text = resp.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");

@@ -5,7 +5,8 @@
 
 use crate::policy::projected::Terms;
 
-/// Index of the load-only winner among `terms` (ties broken by `draw`).
-pub fn pick(terms: &[Terms], draw: u64) -> Option<usize> {
-    super::argmin(terms.len(), |i| terms[i].load_only_s, draw)
+/// Index of the load-only winner among `n` candidates whose terms `terms_of` gives (ties broken by
+/// `draw`).
+pub fn pick<'a>(n: usize, terms_of: impl Fn(usize) -> &'a Terms, draw: u64) -> Option<usize> {
+    super::argmin(n, |i| terms_of(i).load_only_s, draw)
 }

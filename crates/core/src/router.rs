@@ -161,6 +161,13 @@ impl Router {
         Ok(())
     }
 
+    /// Sets a worker's KV capacity in tokens (what the engine reports, when it was not configured).
+    pub fn set_kv_capacity(&self, id: &WorkerId, tokens: u64) -> Result<(), CoreError> {
+        crate::fleet::KV_CAPACITY_TOKENS.check(tokens as f64)?;
+        self.fleet.lock().worker_mut(id)?.config.kv_capacity_tokens = tokens;
+        Ok(())
+    }
+
     /// Folds an observed rate (`tokens` processed in `seconds`) into the worker's prefill or decode
     /// throughput estimate.
     pub fn observe_rate(&self, id: &WorkerId, kind: RateKind, tokens: f64, seconds: f64) -> Result<(), CoreError> {
@@ -378,11 +385,8 @@ impl Router {
                     }
                 })
             };
-            let cached_tokens = if withheld.is_none() {
-                (raw_blocks as u64 * self.block_size as u64).min(req.prompt_tokens)
-            } else {
-                0
-            };
+            let cached_tokens =
+                if withheld.is_none() { reusable_tokens(raw_blocks, req.prompt_tokens, self.block_size) } else { 0 };
             let load = w.load();
             let terms = projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
             scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
@@ -390,6 +394,14 @@ impl Router {
         fleet.scratch_overlap = raw;
         scored
     }
+}
+
+/// Prompt tokens an engine can serve from `blocks` cached leading blocks: whole blocks only, and
+/// never the prompt's last token, which is always computed to produce the first output token (vLLM's
+/// `max_cache_hit_length = prompt - 1`, rounded down to a block; SGLang likewise).
+pub fn reusable_tokens(blocks: u32, prompt_tokens: u64, block_size: u32) -> u64 {
+    let bs = u64::from(block_size.max(1));
+    u64::from(blocks).min(prompt_tokens.saturating_sub(1) / bs) * bs
 }
 
 /// The enforce choice of the projected policy and its reason.

@@ -174,7 +174,7 @@ impl Engine {
             output_tokens: req.output_tokens.max(1),
             generated: 0,
             private_blocks: 0,
-            uncached_at_arrival: prompt_tokens - matched.min(prompt_tokens.saturating_sub(1)),
+            uncached_at_arrival: prompt_tokens - matched.min(prompt_tokens.saturating_sub(1) / bs as u64 * bs as u64),
         });
     }
 
@@ -230,7 +230,7 @@ impl Engine {
             r.private_blocks = need;
             r.matched_blocks = matched;
             // A fully cached prompt still computes its last token to produce logits.
-            r.cached_tokens = (matched as u64 * bs).min(r.prompt_tokens.saturating_sub(1));
+            r.cached_tokens = (matched as u64).min(r.prompt_tokens.saturating_sub(1) / bs) * bs;
             self.prompt_tokens_total += r.prompt_tokens;
             self.cached_tokens_total += r.cached_tokens;
             let chunk = r.prefill_left().min(budget);
@@ -417,16 +417,17 @@ impl Engine {
         aborted
     }
 
-    /// Kills the process and starts a new one: every request fails, the cache is empty, sequence
-    /// numbers restart at 0 and block hashes get a new seed. Returns the failed requests.
-    pub fn restart(&mut self, new_salt: u64) -> Vec<RequestId> {
+    /// Kills the process and starts a new one: every request fails, the cache is empty and sequence
+    /// numbers restart at 0. Block hashes stay what they were: vLLM's are deterministic (sha256 from a
+    /// fixed root since 0.29), so only the sequence numbers and the empty cache tell that the engine
+    /// restarted. Returns the failed requests.
+    pub fn restart(&mut self) -> Vec<RequestId> {
         let failed = self.waiting.drain(..).chain(self.running.drain(..)).map(|r| r.id).collect();
         self.cache.clear();
         self.plan = None;
         self.pending_events.clear();
         self.history.clear();
         self.next_seq = 0;
-        self.salt = new_salt;
         self.start_process();
         failed
     }

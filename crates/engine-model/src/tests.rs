@@ -147,7 +147,7 @@ fn restart_fails_in_flight_work_and_restarts_sequence_numbers() {
     let out = e.end_step();
     assert_eq!(out.batch.as_ref().map(|b| b.seq), Some(1));
     e.submit(req(2, synthetic_tokens(2, 100), 10));
-    let failed = e.restart(2);
+    let failed = e.restart();
     assert_eq!(failed, vec![RequestId(2), RequestId(1)]);
     assert_eq!(e.cached_blocks(), 0);
     assert_eq!(e.flush_idle().map(|b| b.seq), Some(0));

@@ -1,11 +1,18 @@
 //! The engine registry's background work: health checks with a circuit breaker, load polling
-//! (SGLang `/v1/loads` or Prometheus `/metrics`), and model discovery. One task per engine.
+//! (SGLang `/v1/loads` or Prometheus `/metrics`), model discovery, and what the engine says about
+//! itself. Health and load run as separate tasks per engine, so a hung `/health` never delays a load
+//! poll past `stale_after`.
+//!
+//! An engine's prefix cache lives in its process. When the process may have restarted (its
+//! `process_start_time_seconds` changed, or it comes back after being out of rotation), the KV view
+//! kvgate holds for it is dropped at once and rebuilt from the engine's replay socket: vLLM's block
+//! hashes repeat across restarts, so old blocks would otherwise look cached on a cold engine.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_core::{LoadSnapshot, WorkerId};
+use kvgate_core::{KvState, LoadSnapshot, WorkerId};
 use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoad};
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -15,6 +22,14 @@ use crate::state::AppState;
 
 /// Health checks between model-list refreshes.
 const MODELS_EVERY: u32 = 15;
+
+/// What an engine has said about itself in its load reports.
+#[derive(Debug, Default, Clone, Copy)]
+struct Identity {
+    start_time_s: Option<f64>,
+    block_size: Option<u32>,
+    capacity_tokens: Option<u64>,
+}
 
 /// What the gateway knows about one engine besides the core's view.
 #[derive(Debug)]
@@ -37,6 +52,11 @@ pub struct EngineHandle {
     pub models: Mutex<Vec<String>>,
     /// Counters of the engine's KV event stream.
     pub stream: Arc<crate::kv_events::StreamStats>,
+    /// Bumped whenever the KV view must be rebuilt from scratch; the subscribers watch it.
+    pub resync: tokio::sync::watch::Sender<u64>,
+    /// Why the engine's KV events can't be used at all (a block-size mismatch), if they can't.
+    pub config_problem: Mutex<Option<String>>,
+    identity: Mutex<Identity>,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
@@ -57,6 +77,12 @@ pub struct EngineView {
     pub telemetry_error: Option<String>,
     /// Models served.
     pub models: Vec<String>,
+    /// The block size the engine reports, if it does.
+    pub engine_block_size: Option<u32>,
+    /// The KV capacity in tokens the engine reports, if it does.
+    pub engine_kv_capacity_tokens: Option<u64>,
+    /// When the engine process started (Unix seconds), if it says.
+    pub engine_started_at_s: Option<f64>,
     /// The core's view: reconciled load, KV state, blocks held, reservations.
     pub router: Option<kvgate_core::WorkerStatus>,
     /// Last KV-event sequence number applied.
@@ -78,6 +104,9 @@ impl EngineHandle {
             telemetry_error: Mutex::new(None),
             models: Mutex::new(Vec::new()),
             stream: Arc::new(crate::kv_events::StreamStats::new()),
+            resync: tokio::sync::watch::Sender::new(0),
+            config_problem: Mutex::new(None),
+            identity: Mutex::new(Identity::default()),
             tasks: Mutex::new(Vec::new()),
         }
     }
@@ -89,8 +118,18 @@ impl EngineHandle {
         }
     }
 
+    /// The KV state a fully replayed stream earns: `synced`, unless the engine's configuration rules
+    /// its events out.
+    pub fn synced_state(&self) -> KvState {
+        match self.config_problem.lock().clone() {
+            Some(problem) => KvState::Invalid(problem),
+            None => KvState::Synced,
+        }
+    }
+
     /// A snapshot for the admin API.
     pub fn view(&self, state: &AppState) -> EngineView {
+        let identity = *self.identity.lock();
         EngineView {
             id: self.id.clone(),
             url: self.base.clone(),
@@ -99,6 +138,9 @@ impl EngineHandle {
             telemetry: *self.telemetry.lock(),
             telemetry_error: self.telemetry_error.lock().clone(),
             models: self.models.lock().clone(),
+            engine_block_size: identity.block_size,
+            engine_kv_capacity_tokens: identity.capacity_tokens,
+            engine_started_at_s: identity.start_time_s,
             router: state.router.worker_status(&self.id, state.clock.now()).ok(),
             last_event_seq: self.stream.view().last_seq,
             kv_events: self.spec.kv_events.as_ref().map(|_| self.stream.view()),
@@ -114,22 +156,24 @@ pub fn start_all(state: &Arc<AppState>) {
     }
 }
 
-/// Starts one engine's background tasks: health and load, and its KV event subscriber if it has one.
+/// Starts one engine's background tasks: health, load, and its KV event subscribers if it has any.
 pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
     let mut tasks = engine.tasks.lock();
-    tasks.push(tokio::spawn(run(Arc::downgrade(state), engine.clone())).abort_handle());
-    if let Some(endpoint) = &engine.spec.kv_events {
+    tasks.push(tokio::spawn(health_loop(Arc::downgrade(state), engine.clone())).abort_handle());
+    tasks.push(tokio::spawn(load_loop(Arc::downgrade(state), engine.clone())).abort_handle());
+    if let Some(endpoint) = engine.spec.kv_events_endpoint() {
         // One subscriber per data-parallel rank, each with its own sequence numbers, all feeding
         // this worker's index: a prefix cached on any rank counts for the engine.
         for rank in 0..engine.spec.dp_size.unwrap_or(1) {
-            let Some(endpoint) = crate::config::rank_endpoint(endpoint, rank) else { continue };
+            let Some(endpoint) = crate::config::rank_endpoint(&endpoint, rank) else { continue };
             let cfg = crate::kv_events::StreamConfig {
                 worker: engine.id.clone(),
                 endpoint,
-                replay: engine.spec.replay.as_deref().and_then(|r| crate::config::rank_endpoint(r, rank)),
+                bind: engine.spec.binds_kv_events(),
+                replay: engine.spec.replay_endpoint().and_then(|r| crate::config::rank_endpoint(&r, rank)),
                 topic: engine.spec.topic.clone().unwrap_or_default(),
             };
-            let task = tokio::spawn(crate::kv_events::run(Arc::downgrade(state), cfg, engine.stream.clone()));
+            let task = tokio::spawn(crate::kv_events::run(Arc::downgrade(state), engine.clone(), cfg));
             tasks.push(task.abort_handle());
         }
     }
@@ -141,10 +185,24 @@ pub fn connect_failed(state: &AppState, engine: &EngineHandle) {
     set_healthy(state, engine, false);
 }
 
+/// Drops the engine's KV view now and asks its subscribers to rebuild it from the replay socket.
+pub fn resync(state: &AppState, engine: &EngineHandle, why: &str) {
+    let _ = state.router.clear_kv(&engine.id);
+    let kv = if engine.spec.kv_events.is_none() {
+        engine.synced_state()
+    } else {
+        KvState::Incomplete(format!("{why}: rebuilding its KV view from its replay socket"))
+    };
+    let _ = state.router.set_kv_state(&engine.id, kv);
+    engine.resync.send_modify(|g| *g += 1);
+}
+
 fn set_healthy(state: &AppState, engine: &EngineHandle, healthy: bool) {
     if engine.healthy.swap(healthy, Ordering::Relaxed) != healthy {
         if healthy {
             tracing::info!(engine = %engine.id, "engine healthy again: back in rotation");
+            // It may have restarted while it was out: never credit the cache of the old process.
+            resync(state, engine, "engine back in rotation");
         } else {
             tracing::warn!(engine = %engine.id, "engine unhealthy: out of rotation");
         }
@@ -152,28 +210,40 @@ fn set_healthy(state: &AppState, engine: &EngineHandle, healthy: bool) {
     let _ = state.router.set_eligible(&engine.id, healthy);
 }
 
-async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>) {
-    let Some(s) = state.upgrade() else { return };
-    let (poll_every, health_every) = (s.config.poll_interval, s.config.health_interval);
-    drop(s);
-    let mut poll = tokio::time::interval(poll_every);
-    let mut health = tokio::time::interval(health_every);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut checks = 0u32;
+/// Runs `work` every `every` (the first time at once) until the gateway is gone.
+async fn periodically<F, Fut>(state: std::sync::Weak<AppState>, every: Duration, mut work: F)
+where
+    F: FnMut(Arc<AppState>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = health.tick() => {
-                let Some(s) = state.upgrade() else { return };
-                check_health(&s, &engine, checks.is_multiple_of(MODELS_EVERY)).await;
-                checks = checks.wrapping_add(1);
-            }
-            _ = poll.tick() => {
-                let Some(s) = state.upgrade() else { return };
-                poll_load(&s, &engine).await;
-            }
-        }
+        tick.tick().await;
+        let Some(s) = state.upgrade() else { return };
+        work(s).await;
     }
+}
+
+async fn health_loop(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>) {
+    let Some(every) = state.upgrade().map(|s| s.config.health_interval) else { return };
+    let mut checks = 0u32;
+    periodically(state, every, |s| {
+        let refresh = checks.is_multiple_of(MODELS_EVERY);
+        checks = checks.wrapping_add(1);
+        let engine = engine.clone();
+        async move { check_health(&s, &engine, refresh).await }
+    })
+    .await;
+}
+
+async fn load_loop(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>) {
+    let Some(every) = state.upgrade().map(|s| s.config.poll_interval) else { return };
+    periodically(state, every, |s| {
+        let engine = engine.clone();
+        async move { poll_load(&s, &engine).await }
+    })
+    .await;
 }
 
 async fn check_health(state: &AppState, engine: &EngineHandle, refresh_models: bool) {
@@ -243,6 +313,7 @@ async fn poll_load(state: &AppState, engine: &EngineHandle) {
             Ok(load) => {
                 *engine.telemetry.lock() = Some(*kind);
                 *engine.telemetry_error.lock() = None;
+                observe_identity(state, engine, &load);
                 let snapshot = to_snapshot(state, &load);
                 let _ = state.router.update_load(&engine.id, snapshot);
                 return;
@@ -254,6 +325,47 @@ async fn poll_load(state: &AppState, engine: &EngineHandle) {
     *engine.telemetry_error.lock() = Some(last_err);
 }
 
+/// Acts on what a load report says about the engine itself: its block size (checked against the
+/// gateway's), its KV capacity (used unless configured), and its process start time (a change is a
+/// restart).
+fn observe_identity(state: &AppState, engine: &EngineHandle, load: &EngineLoad) {
+    let before = {
+        let mut id = engine.identity.lock();
+        let before = *id;
+        id.start_time_s = load.process_start_time_s.or(id.start_time_s);
+        id.block_size = load.block_size.or(id.block_size);
+        id.capacity_tokens = load.kv_capacity_tokens.or(id.capacity_tokens);
+        before
+    };
+    if let Some(bs) = load.block_size.filter(|b| before.block_size != Some(*b)) {
+        let gateway = state.router.block_size();
+        if bs != gateway {
+            let problem = format!(
+                "the engine reports block_size {bs} (vllm:cache_config_info) but kvgate's block_size is {gateway}: \
+                 start kvgate with --block-size {bs}"
+            );
+            tracing::warn!(engine = %engine.id, "{problem}; no cache credit for it");
+            *engine.config_problem.lock() = Some(problem.clone());
+            let _ = state.router.clear_kv(&engine.id);
+            let _ = state.router.set_kv_state(&engine.id, KvState::Invalid(problem));
+        } else if engine.config_problem.lock().take().is_some() {
+            resync(state, engine, "the engine's block size now matches");
+        }
+    }
+    if let Some(tokens) = load.kv_capacity_tokens.filter(|t| *t > 0 && before.capacity_tokens != Some(*t)) {
+        if engine.spec.kv_capacity_tokens.is_none() {
+            let _ = state.router.set_kv_capacity(&engine.id, tokens);
+        }
+    }
+    if let (Some(old), Some(new)) = (before.start_time_s, load.process_start_time_s) {
+        if (old - new).abs() > 0.5 {
+            tracing::info!(engine = %engine.id, old, new, "engine process restarted (process_start_time_seconds changed)");
+            engine.stream.restarts.fetch_add(1, Ordering::Relaxed);
+            resync(state, engine, "engine restarted");
+        }
+    }
+}
+
 /// The core's load snapshot from an engine's report; what the engine does not report is estimated
 /// from counts (see `assumed_prompt_tokens` and `assumed_decode_tokens`).
 pub fn to_snapshot(state: &AppState, load: &EngineLoad) -> LoadSnapshot {
@@ -261,9 +373,9 @@ pub fn to_snapshot(state: &AppState, load: &EngineLoad) -> LoadSnapshot {
         waiting_requests: load.waiting_requests,
         waiting_tokens: load
             .waiting_uncached_tokens
-            .unwrap_or(load.waiting_requests * state.config.assumed_prompt_tokens),
+            .unwrap_or(load.waiting_requests.saturating_mul(state.config.assumed_prompt_tokens)),
         running_requests: load.running_requests,
-        active_decode_tokens: load.running_requests * state.config.assumed_decode_tokens,
+        active_decode_tokens: load.running_requests.saturating_mul(state.config.assumed_decode_tokens),
         kv_usage: load.kv_usage.unwrap_or(0.0),
         observed_at: state.clock.now(),
     }

@@ -24,6 +24,7 @@ use kvgate_protocol::KvEvent;
 use serde::Serialize;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::engines::EngineHandle;
 use crate::state::AppState;
 
 /// How long a replay may take before the gap is treated as lost history.
@@ -115,6 +116,8 @@ pub struct StreamConfig {
     pub worker: WorkerId,
     /// PUB endpoint, e.g. `tcp://10.0.0.7:5557`.
     pub endpoint: String,
+    /// Bind `endpoint` (the engine's PUB socket connects to kvgate) instead of connecting to it.
+    pub bind: bool,
     /// Replay ROUTER endpoint, if any.
     pub replay: Option<String>,
     /// Topic prefix to subscribe to (empty: everything).
@@ -125,14 +128,18 @@ type Batch = (u64, Vec<KvEvent>);
 
 struct Subscriber {
     state: std::sync::Weak<AppState>,
+    engine: Arc<EngineHandle>,
     cfg: StreamConfig,
     stats: Arc<StreamStats>,
     tracker: StreamTracker<Batch>,
+    resync: tokio::sync::watch::Receiver<u64>,
 }
 
 /// Runs one engine's subscriber until the task is aborted or the gateway is gone.
-pub async fn run(state: std::sync::Weak<AppState>, cfg: StreamConfig, stats: Arc<StreamStats>) {
-    let mut sub = Subscriber { state, cfg, stats, tracker: StreamTracker::new() };
+pub async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>, cfg: StreamConfig) {
+    let stats = engine.stream.clone();
+    let resync = engine.resync.subscribe();
+    let mut sub = Subscriber { state, engine, cfg, stats, tracker: StreamTracker::new(), resync };
     let mut backoff = BACKOFF_MIN;
     loop {
         match sub.session().await {
@@ -148,19 +155,36 @@ pub async fn run(state: std::sync::Weak<AppState>, cfg: StreamConfig, stats: Arc
 }
 
 impl Subscriber {
-    /// One connection: subscribe and consume until the socket fails. `Ok` means stop for good.
+    /// One socket: subscribe (connecting, or binding for an engine that connects) and consume until
+    /// the socket fails. `Ok` means stop for good.
     async fn session(&mut self) -> Result<(), String> {
         let mut socket = zeromq::SubSocket::new();
-        socket.connect(&self.cfg.endpoint).await.map_err(|e| e.to_string())?;
+        if self.cfg.bind {
+            socket.bind(&self.cfg.endpoint).await.map_err(|e| format!("cannot bind {}: {e}", self.cfg.endpoint))?;
+        } else {
+            socket.connect(&self.cfg.endpoint).await.map_err(|e| e.to_string())?;
+        }
         socket.subscribe(&self.cfg.topic).await.map_err(|e| e.to_string())?;
-        tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "subscribed to KV events");
+        let role = if self.cfg.bind { "listening for" } else { "subscribed to" };
+        tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "{role} KV events");
         // Catch up on what the engine published before this subscription (§8: replay from 0).
         if self.cfg.replay.is_some() && self.tracker.applied().is_none() {
             let Some(state) = self.state.upgrade() else { return Ok(()) };
             self.catch_up(&state).await;
         }
         loop {
-            let msg = match tokio::time::timeout(IDLE_CATCH_UP, socket.recv()).await {
+            let msg = tokio::select! {
+                changed = self.resync.changed() => {
+                    if changed.is_err() {
+                        return Ok(()); // the engine was removed
+                    }
+                    let Some(state) = self.state.upgrade() else { return Ok(()) };
+                    self.rebuild(&state).await;
+                    continue;
+                }
+                msg = tokio::time::timeout(IDLE_CATCH_UP, socket.recv()) => msg,
+            };
+            let msg = match msg {
                 Ok(msg) => msg.map_err(|e| e.to_string())?,
                 Err(_) => {
                     let Some(state) = self.state.upgrade() else { return Ok(()) };
@@ -172,6 +196,18 @@ impl Subscriber {
             };
             let Some(state) = self.state.upgrade() else { return Ok(()) };
             self.on_message(&state, msg.into_vec()).await;
+        }
+    }
+
+    /// Starts over from an empty view, as for a restarted engine: forget the sequence numbers and
+    /// rebuild from the replay socket (the registry has already cleared the blocks).
+    async fn rebuild(&mut self, state: &AppState) {
+        self.tracker = StreamTracker::new();
+        self.stats.last_seq.store(u64::MAX, Ordering::Relaxed);
+        if self.cfg.replay.is_some() {
+            self.replay(state, 0).await;
+        } else {
+            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
         }
     }
 
@@ -294,7 +330,7 @@ impl Subscriber {
         }
         self.apply(state, outcome.apply);
         if self.tracker.awaiting_replay().is_none() {
-            let _ = state.router.set_kv_state(&self.cfg.worker, KvState::Synced);
+            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
         }
     }
 }

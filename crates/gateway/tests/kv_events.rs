@@ -341,7 +341,8 @@ async fn the_engines_own_restart_vector_replays_through_real_sockets() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let messages = v["frames_hex"].as_array().unwrap();
     let payload = |i: usize| unhex(messages[i][2].as_str().unwrap());
-    let tokens: Json = json!({"input_ids": (1..=48).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 4}});
+    // 49 tokens: the engine always computes the last prompt token, so the 48 cached ones all count.
+    let tokens: Json = json!({"input_ids": (1..=49).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 4}});
     p.publish(0, payload(0), false).await;
     p.publish(1, payload(1), false).await;
     wait_until(&gw, "three blocks", |s| blocks_held(s, "a") == 3).await;

@@ -263,9 +263,11 @@ async fn workers_can_be_added_and_removed_at_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_decide_previews_without_dispatching() {
     let engine = fake_engine().await;
+    engine.set(|b| b.reports_load = false);
     let gw = gateway(&base_toml(&[engine.url()], "")).await;
     let before = gw.post("/admin/decide", &chat_body(false)).await.json::<Value>().await.unwrap();
     assert_eq!(before["decision"]["reason"], "fallback:missing", "no load report yet");
+    engine.set(|b| b.reports_load = true);
     gw.wait_for_load().await;
     let r = gw.post("/admin/decide", &chat_body(false)).await.json::<Value>().await.unwrap();
     assert_eq!(r["endpoint"], "/v1/chat/completions");

@@ -28,9 +28,17 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port) [default: 8080].
     #[arg(long, env = "KVGATE_PORT")]
     port: Option<u16>,
-    /// Engine base URL (repeatable); replaces the file's [[workers]].
-    #[arg(long = "worker", env = "KVGATE_WORKERS", value_delimiter = ',')]
+    /// An engine (repeatable): its base URL, then any [[workers]] keys as ,key=value; replaces the
+    /// file's [[workers]]. E.g. http://10.0.0.7:8000,engine=vllm,kv_events=:5557,replay=:5558 (`:PORT` is
+    /// on the engine's host). The environment variable separates engines with spaces.
+    #[arg(long = "worker", env = "KVGATE_WORKERS", value_delimiter = ' ')]
     workers: Vec<String>,
+    /// KV-event port of every engine without its own kv_events (each engine's own host).
+    #[arg(long, env = "KVGATE_KV_EVENTS_PORT")]
+    kv_events_port: Option<u16>,
+    /// Replay port of every engine with KV events but without its own replay.
+    #[arg(long, env = "KVGATE_REPLAY_PORT")]
+    replay_port: Option<u16>,
     /// Policy: projected, least_load or cache_aware [default: projected].
     #[arg(long, env = "KVGATE_POLICY")]
     policy: Option<String>,
@@ -52,10 +60,14 @@ pub struct ServeArgs {
     /// Tokenizer: `builtin` or the path of a HuggingFace tokenizer.json [default: builtin].
     #[arg(long, env = "KVGATE_TOKENIZER")]
     tokenizer: Option<String>,
-    /// Chat template: a tokenizer_config.json or .jinja file (default: tokenizer_config.json beside
-    /// the tokenizer).
+    /// Chat template: a .jinja file, or a tokenizer_config.json holding one (default: found beside the
+    /// tokenizer as transformers saves it: chat_template.jinja, then tokenizer_config.json).
     #[arg(long, env = "KVGATE_CHAT_TEMPLATE")]
     chat_template: Option<String>,
+    /// How message content reaches the chat template, as vLLM's flag of the same name: auto (detect
+    /// from the template), string or openai [default: auto].
+    #[arg(long, env = "KVGATE_CHAT_TEMPLATE_CONTENT_FORMAT")]
+    chat_template_content_format: Option<String>,
     /// Client API key (repeatable); without any, clients are not authenticated.
     #[arg(long = "api-key", env = "KVGATE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     api_keys: Vec<String>,
@@ -121,6 +133,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         host: a.host,
         port: a.port,
         workers: a.workers,
+        kv_events_port: a.kv_events_port,
+        replay_port: a.replay_port,
         policy: a.policy,
         mode: a.mode,
         escape_seconds: a.escape_seconds,
@@ -129,6 +143,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         block_size: a.block_size,
         tokenizer: a.tokenizer,
         chat_template: a.chat_template,
+        chat_template_content_format: a.chat_template_content_format,
         api_keys: a.api_keys,
         admin_key: a.admin_key,
         max_body_bytes: a.max_body_bytes,

@@ -65,16 +65,26 @@ pub fn encode(format: EventFormat, batch: &EventBatch, ts: f64) -> Vec<u8> {
                     entry("lora_id", Value::Nil),
                 ];
                 if format == EventFormat::Vllm {
+                    // As vLLM 0.32 sends them: one (empty) extra-keys entry per block, and the KV group.
                     m.push(entry("medium", Value::from("GPU")));
                     m.push(entry("lora_name", Value::Nil));
+                    m.push(entry("extra_keys", Value::Array(vec![Value::Nil; s.block_hashes.len()])));
+                    m.push(entry("group_idx", Value::from(0u8)));
+                    m.push(entry("kv_cache_spec_kind", Value::from("full_attention")));
                 }
                 Value::Map(m)
             }
-            KvEvent::BlockRemoved(r) => Value::Map(vec![
-                entry("type", Value::from("BlockRemoved")),
-                entry("block_hashes", Value::Array(r.block_hashes.iter().map(|h| hash(format, h.0)).collect())),
-                entry("medium", Value::from("GPU")),
-            ]),
+            KvEvent::BlockRemoved(r) => {
+                let mut m = vec![
+                    entry("type", Value::from("BlockRemoved")),
+                    entry("block_hashes", Value::Array(r.block_hashes.iter().map(|h| hash(format, h.0)).collect())),
+                    entry("medium", Value::from("GPU")),
+                ];
+                if format == EventFormat::Vllm {
+                    m.push(entry("group_idx", Value::from(0u8)));
+                }
+                Value::Map(m)
+            }
             KvEvent::AllBlocksCleared => Value::Map(vec![entry("type", Value::from("AllBlocksCleared"))]),
         })
         .collect();

@@ -139,7 +139,7 @@ impl MockEngine {
         let clock = kvgate_gateway::clock::Clock::start();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (batch_tx, batch_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(stepper::Shared::default());
+        let shared = Arc::new(stepper::Shared::new());
         let faults = Arc::new(Mutex::new(cfg.faults.clone()));
         let (kv_events, replay) =
             events::start(&cfg.host, cfg.kv_port, cfg.replay_port, cfg.format, faults.clone(), batch_rx, clock)
@@ -160,6 +160,7 @@ impl MockEngine {
             next_id: Arc::new(AtomicU64::new(1)),
             rng: Arc::new(Mutex::new(<rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(cfg.seed))),
             capacity_tokens: cfg.profile.kv_capacity_tokens,
+            block_size,
         });
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);

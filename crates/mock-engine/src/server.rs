@@ -11,7 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_core::RequestId;
 use kvgate_engine_model::EngineRequest;
-use kvgate_gateway::tokenize::BuiltinTokenizer;
+use kvgate_tokenizer::BuiltinTokenizer;
 use parking_lot::Mutex;
 use rand::Rng;
 use serde_json::{json, Value};
@@ -40,8 +40,10 @@ pub struct ServerState {
     pub next_id: Arc<AtomicU64>,
     /// Randomness for injected failures.
     pub rng: Arc<Mutex<rand_chacha::ChaCha8Rng>>,
-    /// KV capacity, for `/v1/loads`.
+    /// KV capacity, for `/v1/loads` and `/metrics`.
     pub capacity_tokens: u64,
+    /// Tokens per KV block, for `/metrics`.
+    pub block_size: u32,
 }
 
 /// The routes.
@@ -243,20 +245,28 @@ async fn loads(State(s): State<ServerState>) -> Json<Value> {
     }]}))
 }
 
+/// What vLLM 0.32's `/metrics` carries that kvgate reads: load gauges, prefix-cache counters, the
+/// cache configuration (block size and block count as labels) and the process start time.
 async fn metrics(State(s): State<ServerState>) -> String {
     let l = *s.shared.load.lock();
+    let bs = s.block_size.max(1);
     format!(
-        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+        "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {start}\n\
+         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine=\"0\",model_name=\"{m}\"}} {}\n\
          # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{engine=\"0\",model_name=\"{m}\"}} {}\n\
          # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} {}\n\
-         # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
-         # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n",
+         # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{bs}\",enable_prefix_caching=\"True\",engine=\"0\",\
+         num_gpu_blocks=\"{blocks}\",prefix_caching_hash_algo=\"sha256\"}} 1.0\n",
         l.running_requests,
         l.waiting_requests,
         l.kv_usage,
         s.shared.prompt_tokens.load(Ordering::Relaxed),
         s.shared.cached_tokens.load(Ordering::Relaxed),
-        m = s.model
+        m = s.model,
+        start = s.shared.started_at(),
+        blocks = s.capacity_tokens / u64::from(bs),
     )
 }
 

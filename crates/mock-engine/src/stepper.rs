@@ -55,6 +55,33 @@ pub struct Shared {
     pub max_waiting: AtomicU64,
     /// Requests finished.
     pub finished: AtomicU64,
+    /// When the current engine "process" started, in Unix seconds (`f64` bits): what vLLM reports as
+    /// `process_start_time_seconds`; a restart changes it.
+    pub started_at_s: AtomicU64,
+}
+
+impl Shared {
+    /// Fresh state for a process starting now.
+    pub fn new() -> Self {
+        let s = Shared::default();
+        s.mark_started();
+        s
+    }
+
+    /// Records that the engine "process" (re)started now.
+    #[allow(clippy::disallowed_methods)] // the process start time an engine reports is wall-clock time
+    pub fn mark_started(&self) {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        // A restart within the same second still gets a distinct start time.
+        let previous = f64::from_bits(self.started_at_s.load(Ordering::Relaxed));
+        let now = if now <= previous { previous + 1.0 } else { now };
+        self.started_at_s.store(now.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The current process start time, Unix seconds.
+    pub fn started_at(&self) -> f64 {
+        f64::from_bits(self.started_at_s.load(Ordering::Relaxed))
+    }
 }
 
 /// Runs the engine until the command channel closes.
@@ -67,7 +94,6 @@ pub async fn run(
     clock: kvgate_gateway::clock::Clock,
 ) {
     let mut listeners: HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>> = HashMap::new();
-    let mut salt = 1u64;
     let mut stalled_until: Option<std::time::Instant> = None;
     loop {
         // Take every pending command; block for one only when there is nothing to run.
@@ -90,8 +116,10 @@ pub async fn run(
                     engine.submit(req);
                 }
                 Command::Restart => {
-                    salt = salt.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                    for id in engine.restart(salt) {
+                    // vLLM's block hashes are deterministic (sha256 from a fixed root since 0.29): a
+                    // restarted process reports the same hashes for the same prompts.
+                    shared.mark_started();
+                    for id in engine.restart() {
                         if let Some(tx) = listeners.remove(&id) {
                             let _ = tx.send(TokenEvent::Failed);
                         }

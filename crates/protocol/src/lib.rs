@@ -11,7 +11,9 @@
 //!   replies in both layouts, the msgpack batch, array and map event forms of every vLLM and SGLang
 //!   version in `engine-protocols.md`, hashes of any integer width or as bytes.
 //! - [`telemetry`]: engine load reports: SGLang `GET /v1/loads` and the Prometheus `/metrics` text
-//!   of vLLM and SGLang (`engine-protocols.md` §10), parsed into one engine-neutral shape.
+//!   of vLLM and SGLang (`engine-protocols.md` §10), parsed into one engine-neutral shape, with what
+//!   the engine says about itself (block size, KV capacity, process start time).
+//! - [`prometheus`]: the text exposition format's sample lines, labels included.
 //!
 //! Nothing in this crate performs I/O or reads a clock.
 
@@ -19,6 +21,7 @@
 
 pub mod kv_events;
 pub mod kv_wire;
+pub mod prometheus;
 pub mod telemetry;
 
 pub use kv_events::{

@@ -6,6 +6,8 @@
 
 use serde::Deserialize;
 
+use crate::prometheus::samples;
+
 /// Why a load report could not be used.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
@@ -33,6 +35,18 @@ pub struct EngineLoad {
     pub active_tokens: Option<u64>,
     /// Generated tokens per second (SGLang only).
     pub gen_throughput: Option<f64>,
+    /// The engine's KV block size, where it publishes it (vLLM `vllm:cache_config_info`).
+    pub block_size: Option<u32>,
+    /// KV capacity in tokens, where the engine publishes it (vLLM `num_gpu_blocks` × `block_size`,
+    /// SGLang `max_total_num_tokens`), summed over data-parallel ranks.
+    pub kv_capacity_tokens: Option<u64>,
+    /// When the engine process started (Unix seconds, `process_start_time_seconds`): a new value
+    /// means the engine restarted and its prefix cache is empty.
+    pub process_start_time_s: Option<f64>,
+    /// Prompt tokens served from the prefix cache since start (vLLM `prefix_cache_hits_total`).
+    pub prefix_cache_hits: Option<u64>,
+    /// Prompt tokens looked up in the prefix cache since start (vLLM `prefix_cache_queries_total`).
+    pub prefix_cache_queries: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -50,6 +64,7 @@ struct RankLoad {
     num_active_tokens: Option<u64>,
     token_usage: Option<f64>,
     gen_throughput: Option<f64>,
+    max_total_num_tokens: Option<u64>,
 }
 
 fn sum_opt<T: std::ops::Add<Output = T> + Copy>(a: Option<T>, b: Option<T>) -> Option<T> {
@@ -73,6 +88,7 @@ pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
         out.waiting_uncached_tokens = sum_opt(out.waiting_uncached_tokens, r.num_waiting_uncached_tokens);
         out.active_tokens = sum_opt(out.active_tokens, r.num_active_tokens);
         out.gen_throughput = sum_opt(out.gen_throughput, r.gen_throughput);
+        out.kv_capacity_tokens = sum_opt(out.kv_capacity_tokens, r.max_total_num_tokens);
         usage.extend(r.token_usage);
     }
     out.kv_usage = mean(&usage);
@@ -83,41 +99,50 @@ fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| (v.iter().sum::<f64>() / v.len() as f64).clamp(0.0, 1.0))
 }
 
-/// Parses Prometheus text from vLLM (`vllm:*`) or SGLang (`sglang:*`), summing series over labels.
+/// Parses Prometheus text from vLLM (`vllm:*`) or SGLang (`sglang:*`), summing series over labels
+/// (data-parallel engines report one series per rank).
 pub fn parse_prometheus(text: &str) -> Result<EngineLoad, TelemetryError> {
     let mut out = EngineLoad::default();
     let mut known = false;
     let mut usage = Vec::new();
     let mut uncached: Option<u64> = None;
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
+    // Counts arrive as floats; sums saturate instead of wrapping.
+    let add = |total: &mut u64, v: f64| *total = total.saturating_add(v as u64);
+    for s in samples(text) {
+        let value = s.value;
+        if s.name == "process_start_time_seconds" && value.is_finite() && value > 0.0 {
+            out.process_start_time_s = Some(value);
             continue;
         }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = &line[..name_end];
-        let rest = match line[name_end..].strip_prefix('{') {
-            Some(r) => r.split_once('}').map_or("", |(_, v)| v),
-            None => &line[name_end..],
-        };
-        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
+        if s.name == "vllm:cache_config_info" {
+            let block_size = s.label("block_size").and_then(|b| b.parse::<u32>().ok()).filter(|b| *b > 0);
+            let blocks = s.label("num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
+            out.block_size = out.block_size.or(block_size);
+            if let (Some(bs), Some(n)) = (block_size, blocks) {
+                out.kv_capacity_tokens = Some(out.kv_capacity_tokens.unwrap_or(0).saturating_add(n * u64::from(bs)));
+            }
             continue;
-        };
+        }
         if !value.is_finite() || value < 0.0 {
             continue;
         }
-        match name {
+        match s.name.as_str() {
             "vllm:num_requests_running" | "sglang:num_running_reqs" => {
-                out.running_requests += value as u64;
+                add(&mut out.running_requests, value);
                 known = true;
             }
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
-                out.waiting_requests += value as u64;
+                add(&mut out.waiting_requests, value);
                 known = true;
             }
             "vllm:kv_cache_usage_perc" | "sglang:token_usage" => usage.push(value),
             "sglang:gen_throughput" => out.gen_throughput = sum_opt(out.gen_throughput, Some(value)),
-            "sglang:num_waiting_uncached_tokens" => uncached = sum_opt(uncached, Some(value as u64)),
+            "sglang:num_waiting_uncached_tokens" => uncached = Some(uncached.unwrap_or(0).saturating_add(value as u64)),
+            "sglang:max_total_num_tokens" => {
+                out.kv_capacity_tokens = Some(out.kv_capacity_tokens.unwrap_or(0).saturating_add(value as u64));
+            }
+            "vllm:prefix_cache_hits_total" => add(out.prefix_cache_hits.get_or_insert(0), value),
+            "vllm:prefix_cache_queries_total" => add(out.prefix_cache_queries.get_or_insert(0), value),
             _ => {}
         }
     }
@@ -159,6 +184,34 @@ mod tests {
         assert!(parse_sglang_loads(b"{}").is_err());
         assert!(parse_sglang_loads(br#"{"loads":[]}"#).is_err());
         assert!(parse_sglang_loads(b"not json").is_err());
+    }
+
+    /// Lines of a real vLLM 0.32 (CPU) `/metrics` scrape, trimmed.
+    const VLLM_032: &str = r#"# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.796114799e+09
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 5.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 3218.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 1600.0
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",kv_cache_dtype_skip_layers="[]",kv_cache_memory_bytes="4194304",kv_cache_size_tokens="8192",num_cpu_blocks="None",num_gpu_blocks="256",prefix_caching_hash_algo="sha256",sliding_window="None"} 1.0
+"#;
+
+    #[test]
+    fn a_real_vllm_scrape_yields_load_block_size_capacity_and_start_time() {
+        let l = parse_prometheus(VLLM_032).unwrap();
+        assert_eq!((l.running_requests, l.waiting_requests, l.kv_usage), (2, 5, Some(0.25)));
+        assert_eq!(l.block_size, Some(32));
+        assert_eq!(l.kv_capacity_tokens, Some(8192));
+        assert_eq!(l.process_start_time_s, Some(1_796_114_799.0));
+        assert_eq!((l.prefix_cache_hits, l.prefix_cache_queries), (Some(1600), Some(3218)));
+        // A brace inside a label value no longer ends the labels.
+        let braces = "vllm:num_requests_running{model_name=\"a}b\"} 3\n";
+        assert_eq!(parse_prometheus(braces).unwrap().running_requests, 3);
+        let huge = "vllm:num_requests_running{engine=\"0\"} 1e30\nvllm:num_requests_running{engine=\"1\"} 1e30\n";
+        assert_eq!(parse_prometheus(huge).unwrap().running_requests, u64::MAX);
     }
 
     #[test]

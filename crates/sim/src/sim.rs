@@ -549,8 +549,7 @@ impl<'w> Simulation<'w> {
     }
 
     fn restart(&mut self, w: usize, now: Timestamp) {
-        let salt = self.rng.random();
-        let failed = self.hosts[w].engine.restart(salt);
+        let failed = self.hosts[w].engine.restart();
         let host = &mut self.hosts[w];
         host.epoch += 1;
         host.stepping = false;

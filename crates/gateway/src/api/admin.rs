@@ -125,16 +125,27 @@ pub async fn put_policy(
     Ok(Json(policy_json(&state)))
 }
 
+/// An inference body sent to an admin route: its route (inferred from its keys), the body, and what
+/// routing reads from it.
+async fn admin_request(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Endpoint, Value, super::request::Parsed), ApiError> {
+    check_admin(state, headers)?;
+    let (bytes, value) = read_json(state, body).await?;
+    let endpoint = Endpoint::infer(&value);
+    let parsed = parse_off_thread(state, endpoint, value.clone(), bytes.len()).await?;
+    Ok((endpoint, value, parsed))
+}
+
 /// `POST /admin/decide`: the decision record for a request body, without dispatching or reserving.
 pub async fn decide(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    check_admin(&state, &headers)?;
-    let (bytes, value) = read_json(&state, body).await?;
-    let endpoint = Endpoint::infer(&value);
-    let parsed = parse_off_thread(&state, endpoint, value, bytes.len()).await?;
+    let (endpoint, _, parsed) = admin_request(&state, &headers, body).await?;
     let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
     let route = RouteRequest {
         id: RequestId(0),
@@ -150,6 +161,28 @@ pub async fn decide(
     Ok(Json(json!({ "endpoint": endpoint.path(), "decision": decision })))
 }
 
+/// `POST /admin/tokenize`: the token ids kvgate computes for a request body (chat, completions or
+/// generate, inferred from its keys), to compare with the engine's own `/tokenize`. For chat it also
+/// returns the rendered prompt.
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let (endpoint, value, parsed) = admin_request(&state, &headers, body).await?;
+    let prompt = match endpoint {
+        Endpoint::Chat => state.tokenizer.render_chat(&value).ok(),
+        _ => None,
+    };
+    Ok(Json(json!({
+        "count": parsed.tokens.len(),
+        "tokens": parsed.tokens,
+        "prompt": prompt,
+        "tokenizer": state.tokenizer.describe(),
+    })))
+}
+
+/// Query of `GET /admin/decisions`.
 #[derive(Deserialize)]
 pub struct DecisionsQuery {
     limit: Option<usize>,

@@ -33,6 +33,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/admin/workers/{id}", delete(admin::remove_worker))
         .route("/admin/policy", get(admin::get_policy).put(admin::put_policy))
         .route("/admin/decide", post(admin::decide))
+        .route("/admin/tokenize", post(admin::tokenize))
         .route("/admin/decisions", get(admin::decisions))
         .fallback(not_found)
         .with_state(state)

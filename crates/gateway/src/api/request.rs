@@ -106,6 +106,12 @@ pub fn parse(
     let model = opt_str(body, "model")?.map(str::to_owned);
     let cache_salt = opt_str(body, "cache_salt")?.filter(|s| !s.is_empty()).map(str::to_owned);
     let stream = opt_bool(body, "stream")?;
+    // Engines add the tokenizer's special tokens (BOS) to raw prompts unless told not to.
+    let add_special = match body.get("add_special_tokens") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean")),
+    };
     let tokenize_err =
         |e: crate::tokenize::TokenizeError| ApiError::InvalidRequest { param: None, message: e.to_string() };
     let (tokens, max_tokens) = match endpoint {
@@ -129,19 +135,19 @@ pub fn parse(
                 }
             }
             let max = opt_count(body, "max_completion_tokens")?.or(opt_count(body, "max_tokens")?);
-            (tokenizer.encode_chat(messages, body).map_err(tokenize_err)?, max)
+            (tokenizer.encode_chat(body).map_err(tokenize_err)?, max)
         }
         Endpoint::Completions => {
             let prompt = body.get("prompt").ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
             let tokens = match prompt {
-                Value::String(s) => tokenizer.encode_prompt(s).map_err(tokenize_err)?,
+                Value::String(s) => tokenizer.encode_prompt(s, add_special).map_err(tokenize_err)?,
                 Value::Array(items) if items.is_empty() => {
                     return Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
                 }
                 Value::Array(items) => match &items[0] {
                     // Several prompts are served by one engine; the first one places the request.
                     Value::String(s) if items.iter().all(Value::is_string) => {
-                        tokenizer.encode_prompt(s).map_err(tokenize_err)?
+                        tokenizer.encode_prompt(s, add_special).map_err(tokenize_err)?
                     }
                     Value::Number(_) => token_ids(prompt, "prompt")?,
                     Value::Array(_) => token_ids(&items[0], "prompt")?,
@@ -167,9 +173,9 @@ pub fn parse(
                     Some(Value::Array(_)) => token_ids(&ids[0], "input_ids")?,
                     _ => token_ids(ids, "input_ids")?,
                 },
-                (_, Some(Value::String(t))) => tokenizer.encode_prompt(t).map_err(tokenize_err)?,
+                (_, Some(Value::String(t))) => tokenizer.encode_prompt(t, add_special).map_err(tokenize_err)?,
                 (_, Some(Value::Array(ts))) if ts.first().is_some_and(Value::is_string) => {
-                    tokenizer.encode_prompt(ts[0].as_str().unwrap_or_default()).map_err(tokenize_err)?
+                    tokenizer.encode_prompt(ts[0].as_str().unwrap_or_default(), add_special).map_err(tokenize_err)?
                 }
                 _ => return Err(ApiError::invalid("text", "`/generate` needs `text` or `input_ids`")),
             };

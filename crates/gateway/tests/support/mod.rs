@@ -44,6 +44,8 @@ pub struct Behavior {
     pub load: (u64, u64, u64),
     /// Whether `/health` answers 200.
     pub healthy: bool,
+    /// Whether `/v1/loads` answers (503 otherwise).
+    pub reports_load: bool,
     /// Models reported.
     pub models: Vec<String>,
     /// The SSE text streamed for chat.
@@ -57,6 +59,7 @@ impl Default for Behavior {
             fail_after: None,
             load: (0, 0, 0),
             healthy: true,
+            reports_load: true,
             models: vec!["test-model".into()],
             chat_stream: recorded_stream("chat_completions_chat-completion.streaming.1"),
         }
@@ -139,8 +142,13 @@ pub async fn fake_engine() -> FakeEngine {
             Json(json!({"object": "list", "data": models}))
         }))
         .route("/v1/loads", get(|State(e): State<FakeEngine>| async move {
-            let (w, t, r) = e.behavior.lock().load;
+            let b = e.behavior.lock().clone();
+            if !b.reports_load {
+                return StatusCode::SERVICE_UNAVAILABLE.into_response();
+            }
+            let (w, t, r) = b.load;
             Json(json!({"loads": [{"dp_rank": 0, "num_waiting_reqs": w, "num_waiting_uncached_tokens": t, "num_running_reqs": r, "token_usage": 0.1}]}))
+                .into_response()
         }))
         .with_state(engine.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

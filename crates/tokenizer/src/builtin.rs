@@ -8,7 +8,7 @@
 use kvgate_core::hashing::digest_str;
 use serde_json::Value;
 
-use super::{content_text, PromptTokenizer, TokenizeError};
+use crate::{content_text, PromptTokenizer, TokenizeError};
 
 /// Vocabulary size of the built-in tokenizer.
 pub const BUILTIN_VOCAB: u64 = 100_000;
@@ -60,12 +60,17 @@ impl PromptTokenizer for BuiltinTokenizer {
         "builtin".into()
     }
 
-    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+    fn encode_prompt(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         Ok(Self::encode(text))
     }
 
-    fn encode_chat(&self, messages: &[Value], _body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        Ok(Self::encode(&Self::render(messages)))
+    fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        let messages = body.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+        Ok(Self::render(messages))
+    }
+
+    fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        Ok(Self::encode(&self.render_chat(body)?))
     }
 }
 

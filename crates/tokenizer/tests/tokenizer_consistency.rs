@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvgate_gateway::tokenize::{HfTokenizer, PromptTokenizer};
+use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
 use serde_json::Value;
 
 /// Both tests need the files; only one may run the fetch script at a time.
@@ -32,20 +32,20 @@ fn fetch() -> PathBuf {
 fn hf_tokenizer_ids_match_the_engines_tokenizer_on_a_real_model_tokenizer() {
     let dir = fetch();
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), None).unwrap();
+    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), HfOptions::default()).unwrap();
     let texts = reference["texts"].as_array().unwrap();
     assert!(texts.len() >= 5);
     for case in texts {
         let text = case["text"].as_str().unwrap();
         let expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        assert_eq!(tokenizer.encode_prompt(text).unwrap(), expected, "token ids differ for {text:?}");
+        assert_eq!(tokenizer.encode_prompt(text, true).unwrap(), expected, "token ids differ for {text:?}");
     }
 }
 
 #[test]
 fn a_model_without_a_chat_template_says_so_instead_of_guessing() {
     let dir = fetch();
-    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), None).unwrap();
-    let err = tokenizer.encode_chat(&[serde_json::json!({"role": "user", "content": "hi"})], &Value::Null).unwrap_err();
+    let tokenizer = HfTokenizer::load(&dir.join("tokenizer.json"), HfOptions::default()).unwrap();
+    let err = tokenizer.encode_chat(&serde_json::json!({"messages": [{"role": "user", "content": "hi"}]})).unwrap_err();
     assert!(err.to_string().contains("no chat template"), "{err}");
 }

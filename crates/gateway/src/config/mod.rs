@@ -5,140 +5,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvgate_core::policy::Knob;
-use kvgate_core::{
-    PolicyConfig, PolicyPatch, BLOCK_SIZE, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S,
-};
+use kvgate_core::{PolicyConfig, PolicyPatch, BLOCK_SIZE};
 use serde::{Deserialize, Serialize};
 
 use crate::GatewayError;
 
-/// Which engine a worker runs; decides how its load is polled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum EngineKind {
-    /// Try SGLang's `/v1/loads`, then Prometheus `/metrics`.
-    #[default]
-    Auto,
-    /// SGLang: `/v1/loads`.
-    Sglang,
-    /// vLLM: `/metrics`.
-    Vllm,
-}
+mod worker;
 
-/// One engine endpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerSpec {
-    /// Base URL, e.g. `http://10.0.0.7:8000`.
-    pub url: String,
-    /// Name in logs, metrics and the admin API (default: the URL's host:port).
-    #[serde(default)]
-    pub id: Option<String>,
-    /// Engine kind.
-    #[serde(default)]
-    pub engine: EngineKind,
-    /// Prefill throughput, tokens per second.
-    #[serde(default)]
-    pub prefill_tokens_per_s: Option<f64>,
-    /// Decode throughput, tokens per second.
-    #[serde(default)]
-    pub decode_tokens_per_s: Option<f64>,
-    /// KV capacity in tokens.
-    #[serde(default)]
-    pub kv_capacity_tokens: Option<u64>,
-    /// ZMQ endpoint of the engine's KV-event publisher (used once live events land).
-    #[serde(default)]
-    pub kv_events: Option<String>,
-    /// ZMQ endpoint of the engine's replay socket.
-    #[serde(default)]
-    pub replay: Option<String>,
-    /// KV-event topic.
-    #[serde(default)]
-    pub topic: Option<String>,
-    /// The engine's block size, when it differs from the fleet's (such a worker is refused cache
-    /// credit).
-    #[serde(default)]
-    pub block_size: Option<u32>,
-    /// Data-parallel ranks publishing events: rank r publishes on the `kv_events` port + r (and
-    /// replays on the `replay` port + r), as vLLM and SGLang do. Default 1.
-    #[serde(default)]
-    pub dp_size: Option<u16>,
-}
-
-/// `tcp://host:port` with the port moved up by `offset` (the endpoint of data-parallel rank `offset`).
-pub fn rank_endpoint(endpoint: &str, offset: u16) -> Option<String> {
-    let (head, port) = endpoint.rsplit_once(':')?;
-    let port: u16 = port.parse().ok()?;
-    Some(format!("{head}:{}", port.checked_add(offset)?))
-}
-
-impl WorkerSpec {
-    /// A worker at `url` with defaults.
-    pub fn new(url: impl Into<String>) -> Self {
-        WorkerSpec {
-            url: url.into(),
-            id: None,
-            engine: EngineKind::Auto,
-            prefill_tokens_per_s: None,
-            decode_tokens_per_s: None,
-            kv_capacity_tokens: None,
-            kv_events: None,
-            replay: None,
-            topic: None,
-            block_size: None,
-            dp_size: None,
-        }
-    }
-
-    /// The worker's id: the configured one, or the URL without its scheme.
-    pub fn id(&self) -> String {
-        self.id.clone().unwrap_or_else(|| {
-            let u = self.url.trim_end_matches('/');
-            u.split_once("://").map_or(u, |(_, rest)| rest).to_owned()
-        })
-    }
-
-    /// Checks the URL and the numbers.
-    pub fn validate(&self) -> Result<(), GatewayError> {
-        let url = reqwest::Url::parse(&self.url)
-            .map_err(|e| GatewayError::Config(format!("worker url {:?}: {e}", self.url)))?;
-        if url.scheme() != "http" && url.scheme() != "https" {
-            return Err(GatewayError::Config(format!("worker url {:?}: scheme must be http or https", self.url)));
-        }
-        if url.host_str().is_none() {
-            return Err(GatewayError::Config(format!("worker url {:?}: no host", self.url)));
-        }
-        for (key, v) in [("kv_events", &self.kv_events), ("replay", &self.replay)] {
-            if let Some(ep) = v {
-                let ok = ep.strip_prefix("tcp://").is_some_and(|rest| {
-                    rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-                });
-                if !ok {
-                    return Err(GatewayError::Config(format!(
-                        "worker {}: {key} {ep:?} must look like tcp://host:port",
-                        self.id()
-                    )));
-                }
-            }
-        }
-        if self.dp_size == Some(0) || self.dp_size.is_some_and(|d| d > 1024) {
-            return Err(GatewayError::Config(format!("worker {}: dp_size must be from 1 to 1024", self.id())));
-        }
-        if self.id().trim().is_empty() {
-            return Err(GatewayError::Config(format!("worker url {:?}: empty id", self.url)));
-        }
-        for (knob, v) in [
-            (PREFILL_TOKENS_PER_S, self.prefill_tokens_per_s),
-            (DECODE_TOKENS_PER_S, self.decode_tokens_per_s),
-            (KV_CAPACITY_TOKENS, self.kv_capacity_tokens.map(|v| v as f64)),
-        ] {
-            if let Some(v) = v {
-                knob.check(v).map_err(|e| GatewayError::Config(format!("worker {}: {e}", self.id())))?;
-            }
-        }
-        Ok(())
-    }
-}
+pub use worker::{rank_endpoint, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -152,9 +26,14 @@ pub enum TokenizerSpec {
     Hf {
         /// Path to `tokenizer.json`.
         path: String,
-        /// Path to `tokenizer_config.json` or to a `.jinja` chat template.
+        /// Path to `tokenizer_config.json` or to a `.jinja` chat template (default: found beside
+        /// `tokenizer.json`, as `transformers` saves it).
         #[serde(default)]
         chat_template: Option<String>,
+        /// `auto` (detect from the template, as vLLM does), `string` or `openai`: vLLM's
+        /// `--chat-template-content-format`.
+        #[serde(default)]
+        content_format: Option<String>,
     },
 }
 
@@ -237,8 +116,13 @@ pub struct Overrides {
     pub host: Option<String>,
     /// `--port`.
     pub port: Option<u16>,
-    /// `--worker` (repeatable); replaces the file's workers when given.
+    /// `--worker` (repeatable), each a URL with optional `,key=value` worker settings; replaces the
+    /// file's workers when given.
     pub workers: Vec<String>,
+    /// `--kv-events-port`: workers without `kv_events` get `:PORT` (their own host).
+    pub kv_events_port: Option<u16>,
+    /// `--replay-port`: workers without `replay` get `:PORT`.
+    pub replay_port: Option<u16>,
     /// `--policy`.
     pub policy: Option<String>,
     /// `--mode`.
@@ -255,6 +139,8 @@ pub struct Overrides {
     pub tokenizer: Option<String>,
     /// `--chat-template`.
     pub chat_template: Option<String>,
+    /// `--chat-template-content-format`.
+    pub chat_template_content_format: Option<String>,
     /// `--api-key` (repeatable).
     pub api_keys: Vec<String>,
     /// `--admin-key`.
@@ -467,21 +353,28 @@ impl GatewayConfig {
         patch.escape_waiting = o.escape_waiting.or(patch.escape_waiting);
         let policy = patch.build().map_err(cfg_err)?;
 
-        let workers = if o.workers.is_empty() { f.workers } else { o.workers.iter().map(WorkerSpec::new).collect() };
-        let mut ids = std::collections::HashSet::new();
-        for w in &workers {
-            w.validate()?;
-            if !ids.insert(w.id()) {
-                return Err(GatewayError::Config(format!(
-                    "two workers are named {:?}; give them distinct ids",
-                    w.id()
-                )));
+        let mut workers = if o.workers.is_empty() {
+            f.workers
+        } else {
+            o.workers.iter().map(|w| WorkerSpec::parse_compact(w)).collect::<Result<Vec<_>, _>>()?
+        };
+        for w in &mut workers {
+            if w.kv_events.is_none() {
+                w.kv_events = o.kv_events_port.map(|p| format!(":{p}"));
+            }
+            if w.replay.is_none() && w.kv_events.is_some() {
+                w.replay = o.replay_port.map(|p| format!(":{p}"));
             }
         }
+        check_distinct(&workers)?;
         let tokenizer = match o.tokenizer.as_deref() {
             None => f.tokenizer.unwrap_or_default(),
             Some("builtin") => TokenizerSpec::Builtin,
-            Some(path) => TokenizerSpec::Hf { path: path.to_owned(), chat_template: o.chat_template.clone() },
+            Some(path) => TokenizerSpec::Hf {
+                path: path.to_owned(),
+                chat_template: o.chat_template.clone(),
+                content_format: o.chat_template_content_format.clone(),
+            },
         };
         let s = &f.server;
         let t = &f.telemetry;
@@ -537,6 +430,36 @@ impl GatewayConfig {
             assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, None, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
         })
     }
+}
+
+/// Two workers may not share an id, a URL, or a KV-event endpoint (one engine's events would be
+/// credited to both, or the second bind would fail at run time).
+pub fn check_distinct(workers: &[WorkerSpec]) -> Result<(), GatewayError> {
+    let mut ids = std::collections::HashSet::new();
+    let mut urls = std::collections::HashSet::new();
+    let mut streams = std::collections::HashMap::new();
+    for w in workers {
+        w.validate()?;
+        if !ids.insert(w.id()) {
+            return Err(GatewayError::Config(format!("two workers are named {:?}; give them distinct ids", w.id())));
+        }
+        if !urls.insert(w.url.trim_end_matches('/').to_owned()) {
+            return Err(GatewayError::Config(format!("two workers have the url {:?}", w.url)));
+        }
+        if let Some(ep) = w.kv_events_endpoint() {
+            for rank in 0..w.dp_size.unwrap_or(1) {
+                let key = (rank_endpoint(&ep, rank).unwrap_or_default(), w.binds_kv_events());
+                if let Some(other) = streams.insert(key.clone(), w.id()) {
+                    return Err(GatewayError::Config(format!(
+                        "workers {other} and {} both use the KV-event endpoint {}",
+                        w.id(),
+                        key.0
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn cfg_err(e: kvgate_core::CoreError) -> GatewayError {
@@ -608,10 +531,7 @@ mod tests {
     }
 
     #[test]
-    fn data_parallel_ranks_publish_on_consecutive_ports() {
-        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 0).as_deref(), Some("tcp://10.0.0.1:5557"));
-        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 3).as_deref(), Some("tcp://10.0.0.1:5560"));
-        assert_eq!(rank_endpoint("tcp://h:65535", 1), None);
+    fn dp_size_zero_is_refused() {
         let err = GatewayConfig::from_toml("[[workers]]\nurl = \"http://a:1\"\ndp_size = 0").unwrap_err().to_string();
         assert!(err.contains("dp_size"), "{err}");
     }

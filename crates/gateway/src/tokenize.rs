@@ -1,0 +1,23 @@
+//! Prompt rendering and tokenization (the `kvgate-tokenizer` crate), built from the configuration.
+
+use std::sync::Arc;
+
+pub use kvgate_tokenizer::*;
+
+use crate::config::TokenizerSpec;
+
+/// Builds the configured tokenizer.
+pub fn build(spec: &TokenizerSpec) -> Result<Arc<dyn PromptTokenizer>, TokenizeError> {
+    Ok(match spec {
+        TokenizerSpec::Builtin => Arc::new(BuiltinTokenizer),
+        TokenizerSpec::Hf { path, chat_template, content_format } => {
+            let content_format = match content_format.as_deref() {
+                None => ContentFormat::Auto,
+                Some(f) => f.parse().map_err(TokenizeError::Load)?,
+            };
+            let options =
+                HfOptions { chat_template: chat_template.as_ref().map(Into::into), content_format, clock: None };
+            Arc::new(HfTokenizer::load(path.as_ref(), options)?)
+        }
+    })
+}

@@ -1,0 +1,269 @@
+//! Real vLLM engines on loopback, started and stopped through `scripts/real-engines/engine.sh`.
+//!
+//! Each engine runs in its own process group (the script starts it under `setsid`), so stopping it
+//! stops every process vLLM forked; dropping a [`Fleet`] stops them all, and the suite's script
+//! (`scripts/real-engines/test.sh`) also kills whatever a crashed run left behind. Ports are free
+//! loopback ports picked at start.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the repository root exists")
+}
+
+/// The tiny model's directory (built by `scripts/real-engines/setup.sh`).
+pub fn model_dir() -> PathBuf {
+    repo_root().join("target/real-engines/model")
+}
+
+/// Fails with what to run when vLLM or the model is missing.
+pub fn check_prerequisites() -> anyhow::Result<()> {
+    let root = repo_root();
+    let venv = root.join("target/real-engines/venv/bin/python");
+    let model = model_dir().join("config.json");
+    for (path, what) in [(&venv, "the vLLM virtual environment"), (&model, "the tiny model")] {
+        if !path.exists() {
+            bail!(
+                "{what} is missing ({}): run scripts/real-engines/setup.sh first (scripts/test.sh and \
+                 scripts/real-engines/test.sh do it)",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Which side of the KV-event socket binds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRole {
+    /// The engine's endpoint is `tcp://*:P`: its PUB socket binds and kvgate connects.
+    EngineBinds,
+    /// The engine's endpoint is `tcp://127.0.0.1:P`: its PUB socket connects and kvgate binds.
+    EngineConnects,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    /// Name (also the log and pid file names).
+    pub name: String,
+    /// KV-event socket role.
+    pub kv_role: KvRole,
+    /// KV cache size in bytes (512 bytes a token for the tiny model).
+    pub kv_bytes: u64,
+}
+
+impl EngineSpec {
+    /// An engine that binds its KV-event socket.
+    pub fn new(name: &str, kv_bytes: u64) -> Self {
+        EngineSpec { name: name.into(), kv_role: KvRole::EngineBinds, kv_bytes }
+    }
+
+    /// The same engine with its KV-event socket connecting to kvgate.
+    pub fn connecting(mut self) -> Self {
+        self.kv_role = KvRole::EngineConnects;
+        self
+    }
+}
+
+/// KV cache bytes per token of the tiny model: 2 layers × 2 KV heads × 32 dims × (K, V) × 2 bytes.
+pub const BYTES_PER_TOKEN: u64 = 512;
+/// The engines' block size (vLLM on CPU needs a multiple of 32).
+pub const BLOCK_SIZE: u32 = 32;
+/// The served model name.
+pub const MODEL: &str = "tiny";
+
+/// Whether a live (non-zombie) process is in process group `pgid`. Orphans of a killed engine are
+/// reaped by whoever is process 1, sometimes late, so a signal probe (`kill -0`) would still see them.
+pub fn group_alive(pgid: u32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return false };
+    entries.filter_map(Result::ok).any(|e| {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { return false };
+        // After the command name in parentheses: state, ppid, pgrp, ...
+        let Some((_, rest)) = stat.rsplit_once(") ") else { return false };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
+    })
+}
+
+/// One running (or stopped) engine.
+#[derive(Debug)]
+pub struct Engine {
+    /// What it was started with.
+    pub spec: EngineSpec,
+    /// HTTP port.
+    pub port: u16,
+    /// KV-event port.
+    pub kv_port: u16,
+    /// Replay port.
+    pub replay_port: u16,
+    run_dir: PathBuf,
+}
+
+fn script() -> PathBuf {
+    repo_root().join("scripts/real-engines/engine.sh")
+}
+
+fn run_script(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("bash").arg(script()).args(args).output().context("cannot run engine.sh")?;
+    if !out.status.success() {
+        bail!("engine.sh {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// `n` distinct free loopback ports.
+pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let listeners: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+    Ok(listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<_, _>>()?)
+}
+
+impl Engine {
+    /// Base URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The engine's `endpoint` in its `--kv-events-config`.
+    pub fn engine_endpoint(&self) -> String {
+        match self.spec.kv_role {
+            KvRole::EngineBinds => format!("tcp://*:{}", self.kv_port),
+            KvRole::EngineConnects => format!("tcp://127.0.0.1:{}", self.kv_port),
+        }
+    }
+
+    /// This engine as a kvgate `--worker`: URL, id, KV-event and replay endpoints, and which side
+    /// binds.
+    pub fn worker_flag(&self) -> String {
+        let bind = if self.spec.kv_role == KvRole::EngineConnects { ",kv_events_bind=true" } else { "" };
+        format!(
+            "{},id={},engine=vllm,kv_events=:{}{bind},replay=:{}",
+            self.url(),
+            self.spec.name,
+            self.kv_port,
+            self.replay_port
+        )
+    }
+
+    /// The log file.
+    pub fn log(&self) -> PathBuf {
+        self.run_dir.join(format!("{}.log", self.spec.name))
+    }
+
+    /// Starts the engine process (returns at once; see [`Engine::wait_ready`]).
+    pub fn start(&self) -> anyhow::Result<()> {
+        run_script(&[
+            "start",
+            &self.spec.name,
+            &self.port.to_string(),
+            &self.engine_endpoint(),
+            &self.replay_port.to_string(),
+            &self.spec.kv_bytes.to_string(),
+            &self.run_dir.to_string_lossy(),
+        ])
+    }
+
+    /// Waits until the engine serves `/v1/models`, failing early with its log if it exits.
+    pub fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
+        run_script(&[
+            "wait",
+            &self.spec.name,
+            &self.port.to_string(),
+            &timeout.as_secs().to_string(),
+            &self.run_dir.to_string_lossy(),
+        ])
+    }
+
+    /// The process group leader's pid.
+    pub fn pid(&self) -> anyhow::Result<u32> {
+        let file = self.run_dir.join(format!("{}.pid", self.spec.name));
+        let text = std::fs::read_to_string(&file).with_context(|| format!("no pid file {}", file.display()))?;
+        text.trim().parse().context("bad pid file")
+    }
+
+    /// Kills the whole process group with SIGKILL, as a crash would, and waits until it is gone.
+    pub fn kill(&self) -> anyhow::Result<()> {
+        let pid = self.pid()?;
+        // procps kill needs `--` before a negative pid (a process group), or it silently does nothing.
+        let status = Command::new("kill").args(["-s", "KILL", "--", &format!("-{pid}")]).status()?;
+        if !status.success() {
+            bail!("kill -KILL -{pid} failed");
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while group_alive(pid) {
+            if Instant::now() > deadline {
+                bail!("process group {pid} survived SIGKILL");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Stops the engine (SIGTERM to its group, then SIGKILL).
+    pub fn stop(&self) -> anyhow::Result<()> {
+        run_script(&["stop", &self.spec.name, &self.run_dir.to_string_lossy()])
+    }
+}
+
+/// Engines started together, stopped together when dropped.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The engines, in the order given.
+    pub engines: Vec<Engine>,
+    run_dir: PathBuf,
+}
+
+impl Fleet {
+    /// Starts every engine at once and waits until all serve.
+    pub fn start(specs: Vec<EngineSpec>, timeout: Duration) -> anyhow::Result<Fleet> {
+        check_prerequisites()?;
+        let run_dir = repo_root().join(format!("target/real-engines/run-{}", std::process::id()));
+        std::fs::create_dir_all(&run_dir)?;
+        let ports = free_ports(specs.len() * 3)?;
+        let engines = specs
+            .into_iter()
+            .enumerate()
+            .map(|(i, spec)| Engine {
+                spec,
+                port: ports[3 * i],
+                kv_port: ports[3 * i + 1],
+                replay_port: ports[3 * i + 2],
+                run_dir: run_dir.clone(),
+            })
+            .collect();
+        let fleet = Fleet { engines, run_dir };
+        for e in &fleet.engines {
+            e.start()?;
+        }
+        for e in &fleet.engines {
+            e.wait_ready(timeout).with_context(|| format!("engine {} did not start", e.spec.name))?;
+        }
+        Ok(fleet)
+    }
+
+    /// The engine named `name`.
+    pub fn engine(&self, name: &str) -> &Engine {
+        self.engines.iter().find(|e| e.spec.name == name).unwrap_or_else(|| panic!("no engine {name}"))
+    }
+
+    /// Where the engines' logs and pid files are.
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for e in &self.engines {
+            if let Err(err) = e.stop() {
+                eprintln!("stopping engine {}: {err:#}", e.spec.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! kvgate in process, in front of real engines, and the HTTP calls the suite makes to both.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use kvgate_gateway::{AppState, GatewayConfig, Overrides};
+use serde_json::{json, Value};
+
+use crate::fleet::{Engine, BLOCK_SIZE};
+
+/// A running kvgate.
+pub struct Gateway {
+    /// Its shared state (the router, the engine registry).
+    pub state: Arc<AppState>,
+    /// Base URL.
+    pub url: String,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The settings the suite runs kvgate with: quick polls and health checks so tests see changes within
+/// a fraction of a second, and no drain on shutdown.
+pub fn test_overrides(engines: &[&Engine]) -> Overrides {
+    Overrides {
+        port: Some(0),
+        workers: engines.iter().map(|e| e.worker_flag()).collect(),
+        block_size: Some(BLOCK_SIZE),
+        tokenizer: Some(crate::fleet::model_dir().join("tokenizer.json").to_string_lossy().into_owned()),
+        poll_interval_ms: Some(100),
+        health_interval_ms: Some(250),
+        shutdown_grace_s: Some(0.0),
+        ..Overrides::default()
+    }
+}
+
+impl Gateway {
+    /// Starts kvgate with `overrides` (see [`test_overrides`]) and an optional TOML file body.
+    pub async fn start(toml: &str, overrides: Overrides) -> anyhow::Result<Gateway> {
+        let dir = std::env::temp_dir().join(format!("kvgate-real-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("gateway.toml");
+        std::fs::write(&path, toml)?;
+        let config = GatewayConfig::load(Some(&path), overrides)?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let state = AppState::new(config)?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let serving = state.clone();
+        let task = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = rx.await;
+            };
+            if let Err(e) = kvgate_gateway::serve(listener, serving, shutdown).await {
+                eprintln!("kvgate stopped with an error: {e}");
+            }
+        });
+        Ok(Gateway { state, url, shutdown: Some(tx), task: Some(task) })
+    }
+
+    /// Stops kvgate and waits until its sockets are closed.
+    pub async fn stop(mut self) {
+        self.stop_now().await;
+    }
+
+    async fn stop_now(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+        for e in self.state.engines.read().values() {
+            e.stop();
+        }
+    }
+
+    /// `GET /admin/workers`, the worker named `id`.
+    pub async fn worker(&self, id: &str) -> anyhow::Result<Value> {
+        let all: Value = http().get(format!("{}/admin/workers", self.url)).send().await?.json().await?;
+        all["workers"]
+            .as_array()
+            .and_then(|w| w.iter().find(|w| w["id"] == id))
+            .cloned()
+            .with_context(|| format!("no worker {id} in /admin/workers"))
+    }
+
+    /// The KV state of worker `id` as `/admin/workers` shows it (`synced`, `invalid`, ...).
+    pub async fn kv_state(&self, id: &str) -> anyhow::Result<Value> {
+        Ok(self.worker(id).await?["router"]["kv_state"].clone())
+    }
+
+    /// Blocks the index holds for worker `id`.
+    pub async fn blocks_held(&self, id: &str) -> anyhow::Result<u64> {
+        self.worker(id).await?["router"]["blocks_held"].as_u64().context("no blocks_held")
+    }
+
+    /// `POST /admin/decide`: the decision record kvgate would make for `body`.
+    pub async fn preview(&self, body: &Value) -> anyhow::Result<Value> {
+        let r: Value = http().post(format!("{}/admin/decide", self.url)).json(body).send().await?.json().await?;
+        Ok(r["decision"].clone())
+    }
+
+    /// Prompt tokens kvgate credits as cached on worker `id` for `body`.
+    pub async fn credit(&self, body: &Value, id: &str) -> anyhow::Result<u64> {
+        let d = self.preview(body).await?;
+        d["scores"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["worker"] == id))
+            .and_then(|s| s["cached_tokens"].as_u64())
+            .with_context(|| format!("no score for {id} in {d}"))
+    }
+
+    /// `POST /admin/tokenize`: kvgate's token ids for `body`.
+    pub async fn tokenize(&self, body: &Value) -> anyhow::Result<Vec<u32>> {
+        let r: Value = http().post(format!("{}/admin/tokenize", self.url)).json(body).send().await?.json().await?;
+        ids(&r["tokens"]).with_context(|| format!("kvgate /admin/tokenize answered {r}"))
+    }
+
+    /// The engine the last decision chose.
+    pub async fn last_choice(&self) -> anyhow::Result<String> {
+        let r: Value = http().get(format!("{}/admin/decisions?limit=1", self.url)).send().await?.json().await?;
+        r["decisions"][0]["decision"]["worker"].as_str().map(str::to_owned).context("no decision yet")
+    }
+
+    /// Polls `check` every 50 ms until it holds or `timeout` passes.
+    pub async fn wait_for<F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> anyhow::Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<bool>>,
+    {
+        let deadline = Instant::now() + timeout;
+        let mut last_err = None;
+        loop {
+            match check().await {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => last_err = Some(e),
+            }
+            if Instant::now() > deadline {
+                match last_err {
+                    Some(e) => bail!("timed out after {timeout:?} waiting for {what}; last error: {e:#}"),
+                    None => bail!("timed out after {timeout:?} waiting for {what}"),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        for e in self.state.engines.read().values() {
+            e.stop();
+        }
+    }
+}
+
+/// A shared HTTP client with a generous timeout (the engines are on 2 shared cores).
+pub fn http() -> reqwest::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    CLIENT
+        .get_or_init(|| reqwest::Client::builder().timeout(Duration::from_secs(120)).build().expect("http client"))
+        .clone()
+}
+
+/// Token ids from a JSON array.
+pub fn ids(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+}
+
+/// POSTs `body` to `base + path` and returns the JSON answer, failing on a non-2xx status.
+pub async fn post(base: &str, path: &str, body: &Value) -> anyhow::Result<Value> {
+    let resp = http().post(format!("{base}{path}")).json(body).send().await?;
+    let status = resp.status();
+    let text = resp.text().await?;
+    if !status.is_success() {
+        bail!("POST {path} answered {status}: {text}");
+    }
+    serde_json::from_str(&text).with_context(|| format!("POST {path}: not JSON: {text}"))
+}
+
+/// The engine's own token ids for a chat or completions body (its `/tokenize`).
+pub async fn engine_tokenize(engine: &str, body: &Value) -> anyhow::Result<Vec<u32>> {
+    let mut b = body.clone();
+    b["model"] = json!(crate::fleet::MODEL);
+    let r = post(engine, "/tokenize", &b).await?;
+    ids(&r["tokens"]).context("no tokens in /tokenize")
+}
+
+/// The prompt token ids the engine really ran for a request (`return_token_ids`, one output token).
+pub async fn engine_prompt_ids(base: &str, body: &Value) -> anyhow::Result<Vec<u32>> {
+    let chat = body.get("messages").is_some();
+    let mut b = body.clone();
+    b["model"] = json!(crate::fleet::MODEL);
+    b["max_tokens"] = json!(1);
+    b["return_token_ids"] = json!(true);
+    if b.get("tools").is_some() && b.get("tool_choice").is_none() {
+        // vLLM refuses "auto" without a tool parser; "none" still renders the tools.
+        b["tool_choice"] = json!("none");
+    }
+    let r = post(base, if chat { "/v1/chat/completions" } else { "/v1/completions" }, &b).await?;
+    let ids_at = if chat { &r["prompt_token_ids"] } else { &r["choices"][0]["prompt_token_ids"] };
+    ids(ids_at).or_else(|| ids(&r["prompt_token_ids"])).with_context(|| format!("no prompt_token_ids in {r}"))
+}
+
+/// Prompt tokens the engine served from its prefix cache for a request it just answered.
+pub fn cached_tokens(response: &Value) -> u64 {
+    response["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+}
+
+/// A value of the engine's `/metrics`, summed over series.
+pub async fn engine_metric(base: &str, name: &str) -> anyhow::Result<f64> {
+    let text = http().get(format!("{base}/metrics")).send().await?.text().await?;
+    Ok(kvgate_protocol::prometheus::samples(&text).filter(|s| s.name == name).map(|s| s.value).sum())
+}

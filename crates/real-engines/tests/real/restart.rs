@@ -1,0 +1,81 @@
+//! An engine killed with SIGKILL in the middle of a stream: the client gets a clean error, kvgate
+//! takes the engine out, and after the restart its credit starts from zero (vLLM's block hashes repeat
+//! across restarts, so only the restart itself can tell kvgate the old blocks are gone).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use futures_util::StreamExt;
+use kvgate_real_engines::fleet::{Fleet, MODEL};
+use kvgate_real_engines::gateway::{http, post, test_overrides, Gateway};
+use kvgate_real_engines::text;
+use serde_json::json;
+
+use super::cache::{completion, engine_hits, settled_credit};
+
+pub async fn an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero(
+    fleet: Arc<Fleet>,
+) -> anyhow::Result<()> {
+    let a = fleet.engine("a");
+    let gw = Gateway::start("", test_overrides(&[a])).await?;
+    let cached = completion(json!(text("restart-prefix", 300)));
+    post(&gw.url, "/v1/completions", &cached).await?;
+    let before = settled_credit(&gw, &cached, "a").await?;
+
+    // A long stream, then SIGKILL once tokens are flowing.
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 3000, "ignore_eos": true,
+                      "prompt": text("restart-stream", 50)});
+    let resp = http().post(format!("{}/v1/completions", gw.url)).json(&body).send().await?;
+    ensure!(resp.status().is_success(), "stream answered {}", resp.status());
+    let mut stream = resp.bytes_stream();
+    let mut received = Vec::new();
+    while received.len() < 2_000 {
+        let chunk = stream.next().await.context("the stream ended before the kill")??;
+        received.extend_from_slice(&chunk);
+    }
+    a.kill()?;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(c) => received.extend_from_slice(&c),
+            Err(_) => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&received);
+    ensure!(!text.contains("[DONE]"), "the stream finished although its engine was killed");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+    ensure!(
+        last.starts_with("data: {\"error\"") && last.contains("upstream_error"),
+        "the client did not get a clean error event at the end; the stream ended with {last:?}"
+    );
+
+    gw.wait_for("kvgate to mark the killed engine down", Duration::from_secs(10), || async {
+        Ok(gw.worker("a").await?["healthy"] == false)
+    })
+    .await?;
+    let started_before = gw.worker("a").await?["engine_started_at_s"].as_f64();
+
+    a.start()?;
+    a.wait_ready(Duration::from_secs(240))?;
+    gw.wait_for("the restarted engine back in rotation, synced", Duration::from_secs(30), || async {
+        let w = gw.worker("a").await?;
+        Ok(w["healthy"] == true && w["router"]["kv_state"]["state"] == "synced")
+    })
+    .await?;
+    // Same prompt, same block hashes as before the restart; the new process has none of them.
+    ensure!(gw.blocks_held("a").await? == 0, "the restarted engine still has blocks in kvgate's index");
+    let credit = gw.credit(&cached, "a").await?;
+    ensure!(credit == 0, "kvgate credits the restarted engine with {credit} tokens (before the kill: {before})");
+    gw.wait_for("the new process start time", Duration::from_secs(10), || async {
+        Ok(gw.worker("a").await?["engine_started_at_s"].as_f64() != started_before)
+    })
+    .await?;
+
+    // Its credit grows again from its own new events, and matches what it really caches.
+    post(&gw.url, "/v1/completions", &cached).await?;
+    let rebuilt = settled_credit(&gw, &cached, "a").await?;
+    let hits = engine_hits(a, &cached).await?;
+    ensure!(rebuilt == hits, "after the restart kvgate credits {rebuilt} tokens, the engine served {hits}");
+    gw.stop().await;
+    Ok(())
+}

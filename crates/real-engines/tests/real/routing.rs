@@ -1,0 +1,93 @@
+//! Routing on real engines: a prefix follows its owner while the owner is idle, and a burst that
+//! would queue on a small-KV owner spreads to its peers, which then own the prefix too.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::ensure;
+use kvgate_real_engines::fleet::Fleet;
+use kvgate_real_engines::gateway::{engine_metric, http, post, test_overrides, Gateway};
+use kvgate_real_engines::text;
+use serde_json::Value;
+
+use super::cache::{chat, settled_credit};
+
+pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_become_owners(
+    fleet: Arc<Fleet>,
+) -> anyhow::Result<()> {
+    let (a, b, c) = (fleet.engine("a"), fleet.engine("b"), fleet.engine("c"));
+    let gw = Gateway::start("", test_overrides(&[a, b, c])).await?;
+    // A system prompt of about 900 tokens, first computed by the small-KV engine c.
+    let system = text("shared-system-prompt", 320);
+    post(&c.url(), "/v1/chat/completions", &chat(&system, "seed")).await?;
+    settled_credit(&gw, &chat(&system, "probe"), "c").await?;
+
+    // Repeated requests, one at a time: the idle owner wins each.
+    for i in 0..5 {
+        // A load report taken after the previous request finished, so c is seen idle again.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let body = chat(&system, &format!("sequential question {i}"));
+        let r = post(&gw.url, "/v1/chat/completions", &body).await?;
+        let served = gw.last_choice().await?;
+        ensure!(served == "c", "sequential request {i} went to {served}, not the idle owner c: {r}");
+    }
+
+    // A burst of 24 at once: c holds 2,048 tokens of KV, so most would queue there.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let peak_waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let watcher = {
+        let (url, peak) = (c.url(), peak_waiting.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(w) = engine_metric(&url, "vllm:num_requests_waiting").await {
+                    peak.fetch_max(w as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let burst: Vec<_> = (0..24)
+        .map(|i| {
+            // Each needs about 9 blocks of its own besides the shared prefix: c fits 4 at a time.
+            let mut body = chat(&system, &text(&format!("burst question {i}"), 60));
+            body["max_tokens"] = 128.into();
+            body["ignore_eos"] = true.into();
+            let url = gw.url.clone();
+            tokio::spawn(async move {
+                let r = http().post(format!("{url}/v1/chat/completions")).json(&body).send().await?;
+                anyhow::Ok(r.status())
+            })
+        })
+        .collect();
+    for r in burst {
+        let status = r.await??;
+        ensure!(status.is_success(), "a burst request failed with {status}");
+    }
+    watcher.abort();
+    let log: Value = http().get(format!("{}/admin/decisions?limit=24", gw.url)).send().await?.json().await?;
+    let mut served: BTreeMap<String, u32> = BTreeMap::new();
+    for d in log["decisions"].as_array().into_iter().flatten() {
+        *served.entry(d["decision"]["worker"].as_str().unwrap_or("?").to_owned()).or_default() += 1;
+    }
+    let on_owner = served.get("c").copied().unwrap_or(0);
+    let on_peers = served.get("a").copied().unwrap_or(0) + served.get("b").copied().unwrap_or(0);
+    eprintln!(
+        "    burst of 24: {served:?}; c's own peak waiting queue {}",
+        peak_waiting.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    ensure!(on_owner >= 1, "the owner got none of the burst: {served:?}");
+    ensure!(on_peers >= 8, "the burst stayed on the owner: {served:?}");
+
+    // The peers computed the prefix themselves: their own events make them owners.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let probe = chat(&system, "after the burst");
+    for peer in ["a", "b"] {
+        if served.get(peer).copied().unwrap_or(0) > 0 {
+            let credit = settled_credit(&gw, &probe, peer).await?;
+            ensure!(credit > 800, "peer {peer} served the burst but is credited only {credit} tokens");
+        }
+    }
+    gw.stop().await;
+    Ok(())
+}

@@ -1,0 +1,387 @@
+//! A HuggingFace `tokenizer.json` with the model's chat template, loaded as `transformers` loads a
+//! saved tokenizer and rendered as vLLM renders a chat request.
+//!
+//! Where the template lives depends on the `transformers` version that saved the model:
+//! `chat_template.jinja` beside the tokenizer (current versions, and it wins when both exist), or
+//! `chat_template` inside `tokenizer_config.json` (a string, or a list of named templates with a
+//! `default` and often a `tool_use` one), or, for some multimodal models, `chat_template.json`.
+//! Special tokens (`bos_token`, `eos_token`, ...) come from `tokenizer_config.json` or
+//! `special_tokens_map.json` and are template variables, as in `transformers`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use minijinja::value::Value as JinjaValue;
+use serde_json::{Map, Value};
+use tokenizers::Tokenizer;
+
+use crate::conversation::{conversation, template_kwargs};
+use crate::template::{ChatTemplate, ContentFormat, WallClock};
+use crate::{PromptTokenizer, TokenizeError};
+
+/// Options for loading a HuggingFace tokenizer.
+#[derive(Clone, Default)]
+pub struct HfOptions {
+    /// The chat template: a `.jinja` file, or a `tokenizer_config.json` / `chat_template.json` that
+    /// holds one. Without it the template is looked for beside `tokenizer.json`.
+    pub chat_template: Option<PathBuf>,
+    /// How message content reaches the template (vLLM's `--chat-template-content-format`).
+    pub content_format: ContentFormat,
+    /// Unix seconds for templates that print the date; the system clock when `None`.
+    pub clock: Option<WallClock>,
+}
+
+impl std::fmt::Debug for HfOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfOptions")
+            .field("chat_template", &self.chat_template)
+            .field("content_format", &self.content_format)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The special-token attributes `transformers` passes to every template.
+const SPECIAL_TOKENS: [&str; 7] =
+    ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
+
+/// The marker `transformers` appends to the final message for `continue_final_message`.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// A HuggingFace tokenizer and chat template.
+pub struct HfTokenizer {
+    tokenizer: Tokenizer,
+    /// The default template, and named ones (`tool_use`, ...).
+    template: Option<ChatTemplate>,
+    named: BTreeMap<String, ChatTemplate>,
+    special: Map<String, Value>,
+    content_format: ContentFormat,
+    clock: WallClock,
+    source: String,
+    template_origin: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer").field("source", &self.source).finish_non_exhaustive()
+    }
+}
+
+/// The system clock, for `strftime_now`: templates read the date when the engine renders them.
+#[allow(clippy::disallowed_methods)] // the engine reads its own wall clock here; so must we
+pub fn wall_clock() -> WallClock {
+    Arc::new(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64))
+}
+
+fn read_json(path: &Path) -> Result<Value, TokenizeError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))
+}
+
+fn special_token(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// Templates held by a JSON config's `chat_template`: one string, or `[{"name", "template"}]`.
+fn templates_in(config: &Value) -> Vec<(String, String)> {
+    match config.get("chat_template") {
+        Some(Value::String(s)) => vec![("default".into(), s.clone())],
+        Some(Value::Array(list)) => list
+            .iter()
+            .filter_map(|t| Some((t.get("name")?.as_str()?.to_owned(), t.get("template")?.as_str()?.to_owned())))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl HfTokenizer {
+    /// Loads `tokenizer.json` and finds its chat template (see the module docs). A model without a
+    /// template still tokenizes completion prompts; chat requests then fail with a message saying
+    /// where the template was looked for.
+    pub fn load(path: &Path, options: HfOptions) -> Result<Self, TokenizeError> {
+        let tokenizer =
+            Tokenizer::from_file(path).map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.exists() { read_json(&config_path)? } else { Value::Null };
+        let mut special = Map::new();
+        let map_path = dir.join("special_tokens_map.json");
+        let map = if map_path.exists() { read_json(&map_path)? } else { Value::Null };
+        for key in SPECIAL_TOKENS {
+            if let Some(tok) = config.get(key).and_then(special_token).or_else(|| map.get(key).and_then(special_token))
+            {
+                special.insert(key.into(), Value::from(tok));
+            }
+        }
+        let clock = options.clock.clone().unwrap_or_else(wall_clock);
+        let (sources, origin) = Self::find_templates(dir, &config, options.chat_template.as_deref())?;
+        let mut template = None;
+        let mut named = BTreeMap::new();
+        for (name, src) in sources {
+            let compiled = ChatTemplate::compile(&src, options.content_format, clock.clone())
+                .map_err(|e| TokenizeError::Load(format!("{name} chat template: {e}")))?;
+            if name == "default" {
+                template = Some(compiled);
+            } else {
+                named.insert(name, compiled);
+            }
+        }
+        Ok(HfTokenizer {
+            tokenizer,
+            template,
+            named,
+            special,
+            content_format: options.content_format,
+            clock,
+            source: format!("hf:{}", path.display()),
+            template_origin: origin,
+        })
+    }
+
+    /// The chat templates, by name, and the file they came from.
+    #[allow(clippy::type_complexity)]
+    fn find_templates(
+        dir: &Path,
+        config: &Value,
+        given: Option<&Path>,
+    ) -> Result<(Vec<(String, String)>, Option<PathBuf>), TokenizeError> {
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|e| TokenizeError::Load(format!("chat template {}: {e}", p.display())))
+        };
+        if let Some(p) = given {
+            if p.extension().is_some_and(|e| e == "json") {
+                let found = templates_in(&read_json(p)?);
+                if found.is_empty() {
+                    return Err(TokenizeError::Load(format!("{} has no chat_template", p.display())));
+                }
+                return Ok((found, Some(p.to_path_buf())));
+            }
+            return Ok((vec![("default".into(), read(p)?)], Some(p.to_path_buf())));
+        }
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            let mut found = vec![("default".to_owned(), read(&jinja)?)];
+            // Named templates saved by `transformers` as `additional_chat_templates/NAME.jinja`.
+            if let Ok(entries) = std::fs::read_dir(dir.join("additional_chat_templates")) {
+                let mut extra: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+                extra.sort();
+                for p in extra.into_iter().filter(|p| p.extension().is_some_and(|e| e == "jinja")) {
+                    let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+                    found.push((name, read(&p)?));
+                }
+            }
+            return Ok((found, Some(jinja)));
+        }
+        let inline = templates_in(config);
+        if !inline.is_empty() {
+            return Ok((inline, Some(dir.join("tokenizer_config.json"))));
+        }
+        let processor = dir.join("chat_template.json");
+        if processor.exists() {
+            let found = templates_in(&read_json(&processor)?);
+            if !found.is_empty() {
+                return Ok((found, Some(processor)));
+            }
+        }
+        Ok((Vec::new(), None))
+    }
+
+    /// Where the chat template came from, if there is one.
+    pub fn template_origin(&self) -> Option<&Path> {
+        self.template_origin.as_deref()
+    }
+
+    /// The template a request renders with: its own `chat_template` (vLLM accepts one with
+    /// `--trust-request-chat-template`), the `tool_use` one when it has tools, or the default.
+    fn template_for(&self, body: &Value) -> Result<std::borrow::Cow<'_, ChatTemplate>, TokenizeError> {
+        if let Some(src) = body.get("chat_template").and_then(Value::as_str) {
+            if let Some(named) = self.named.get(src) {
+                return Ok(std::borrow::Cow::Borrowed(named));
+            }
+            let compiled = ChatTemplate::compile(src, self.content_format, self.clock.clone())?;
+            return Ok(std::borrow::Cow::Owned(compiled));
+        }
+        let has_tools = body.get("tools").is_some_and(|t| !t.is_null());
+        if has_tools {
+            if let Some(t) = self.named.get("tool_use") {
+                return Ok(std::borrow::Cow::Borrowed(t));
+            }
+        }
+        self.template.as_ref().or_else(|| self.named.values().next()).map(std::borrow::Cow::Borrowed).ok_or_else(|| {
+            TokenizeError::Template(
+                "no chat template: the model has no chat_template.jinja and no chat_template in tokenizer_config.json; \
+                 pass --chat-template FILE"
+                    .into(),
+            )
+        })
+    }
+
+    fn encode(&self, text: &str, special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+}
+
+/// Appends the continue tag to the final message's content (its last text part for lists).
+fn tag_final_message(messages: &mut [Value]) -> Result<(), TokenizeError> {
+    let missing =
+        || TokenizeError::Template("continue_final_message is set but the final message has no content".into());
+    let last = messages.last_mut().ok_or_else(missing)?;
+    match last.get_mut("content") {
+        Some(Value::String(s)) => s.push_str(CONTINUE_TAG),
+        Some(Value::Array(parts)) => {
+            let part = parts.iter_mut().rev().find_map(|p| p.get_mut("text")).ok_or_else(missing)?;
+            let text = part.as_str().unwrap_or_default().to_owned();
+            *part = Value::from(text + CONTINUE_TAG);
+        }
+        _ => return Err(missing()),
+    }
+    Ok(())
+}
+
+impl PromptTokenizer for HfTokenizer {
+    fn describe(&self) -> String {
+        self.source.clone()
+    }
+
+    fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, add_special_tokens)
+    }
+
+    fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        let template = self.template_for(body)?;
+        let messages = body.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+        let mut messages = conversation(messages, template.content_format(), template.knows_developer_role());
+        let mut kwargs = template_kwargs(body);
+        // `transformers` consumes this one itself instead of passing it on.
+        let continue_final = kwargs.shift_remove("continue_final_message").and_then(|v| v.as_bool()).unwrap_or(false);
+        if continue_final {
+            if !template.mentions("content") {
+                return Err(TokenizeError::Template(
+                    "continue_final_message is set but the chat template never reads `content`".into(),
+                ));
+            }
+            tag_final_message(&mut messages)?;
+        }
+        let mut context = self.special.clone();
+        context.extend(kwargs);
+        context.insert("messages".into(), Value::Array(messages));
+        context.entry("documents").or_insert(Value::Null);
+        let rendered = template.render(JinjaValue::from_serialize(&context))?;
+        if !continue_final {
+            return Ok(rendered);
+        }
+        let tag = CONTINUE_TAG.trim();
+        let at = rendered.rfind(tag).ok_or_else(|| {
+            TokenizeError::Template("continue_final_message is set but the template dropped the final message".into())
+        })?;
+        Ok(if rendered[at..].starts_with(CONTINUE_TAG) {
+            rendered[..at].to_owned()
+        } else {
+            rendered[..at].trim_end().to_owned()
+        })
+    }
+
+    fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        // vLLM's chat default: the template writes BOS and role markers, so nothing more is added.
+        let add_special = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false);
+        self.encode(&self.render_chat(body)?, add_special)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const TOKENIZER: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+      "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+      "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "bos": 3, "user": 4, ":": 5, "assistant": 6}, "unk_token": "[UNK]"}
+    }"#;
+    const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %} {{ m['role'] }} : {{ m['content'].strip() }}{% endfor %}{% if add_generation_prompt %} assistant :{% endif %}";
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvgate-hf-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("tokenizer.json"), TOKENIZER).unwrap();
+        d
+    }
+
+    fn chat(t: &HfTokenizer) -> Vec<u32> {
+        t.encode_chat(&json!({"messages": [{"role": "user", "content": " hello "}]})).unwrap()
+    }
+
+    #[test]
+    fn the_template_is_found_in_tokenizer_config_json() {
+        let d = dir("inline");
+        std::fs::write(
+            d.join("tokenizer_config.json"),
+            json!({"bos_token": {"content": "bos"}, "chat_template": TEMPLATE}).to_string(),
+        )
+        .unwrap();
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
+        assert_eq!(t.encode_prompt("hello world", true).unwrap(), vec![1, 2]);
+        assert_eq!(chat(&t), vec![3, 4, 5, 1, 6, 5]);
+        assert_eq!(t.template_origin(), Some(d.join("tokenizer_config.json").as_path()));
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn chat_template_jinja_beside_the_tokenizer_wins() {
+        let d = dir("jinja");
+        std::fs::write(
+            d.join("tokenizer_config.json"),
+            json!({"bos_token": "bos", "chat_template": "ignored"}).to_string(),
+        )
+        .unwrap();
+        std::fs::write(d.join("chat_template.jinja"), TEMPLATE).unwrap();
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
+        assert_eq!(chat(&t), vec![3, 4, 5, 1, 6, 5]);
+        assert_eq!(t.template_origin(), Some(d.join("chat_template.jinja").as_path()));
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn named_templates_pick_tool_use_for_requests_with_tools() {
+        let d = dir("named");
+        let config = json!({"chat_template": [
+            {"name": "default", "template": "{{ 'hello' }}"},
+            {"name": "tool_use", "template": "{{ 'world' }}"}
+        ]});
+        std::fs::write(d.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
+        assert_eq!(t.render_chat(&json!({"messages": []})).unwrap(), "hello");
+        assert_eq!(t.render_chat(&json!({"messages": [], "tools": []})).unwrap(), "world");
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn a_model_without_a_template_says_where_it_looked() {
+        let d = dir("none");
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
+        let err = t.encode_chat(&json!({"messages": [{"role": "user", "content": "hi"}]})).unwrap_err().to_string();
+        assert!(err.contains("no chat template") && err.contains("chat_template.jinja"), "{err}");
+        let missing = HfOptions { chat_template: Some(d.join("missing.jinja")), ..HfOptions::default() };
+        assert!(HfTokenizer::load(&d.join("tokenizer.json"), missing).is_err());
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn continue_final_message_cuts_the_prompt_after_the_last_message() {
+        let d = dir("continue");
+        std::fs::write(d.join("chat_template.jinja"), "{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+            .unwrap();
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
+        let body = json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial"}],
+                          "continue_final_message": true, "add_generation_prompt": false});
+        assert_eq!(t.render_chat(&body).unwrap(), "<q><partial");
+        std::fs::remove_dir_all(d).ok();
+    }
+}

@@ -1,0 +1,76 @@
+//! Prompt rendering and tokenization: the token ids an engine will compute for a request.
+//!
+//! The router's token ids must equal the engine's for the same request, byte for byte, or every block
+//! key after the first difference is different and a prompt the engine holds in cache earns no
+//! credit. So this crate renders chat requests exactly as vLLM renders them:
+//!
+//! ```text
+//! chat body ─► conversation (vLLM's message rebuilding) ─► template (HF's Jinja settings) ─► text
+//!           ─► tokenizer.json (HuggingFace `tokenizers`, special tokens as the engine adds them) ─► ids
+//! ```
+//!
+//! - [`builtin`]: kvgate's file-free tokenizer, which kvgate's mock engine shares.
+//! - [`hf`]: a model's `tokenizer.json` with its chat template, found wherever `transformers` saves
+//!   it (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`).
+//! - [`template`]: the chat template compiled as `transformers` compiles it, and vLLM's detection of
+//!   whether it wants content as a string or as a list of parts.
+//! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over.
+//! - [`pyjson`], [`strftime`]: Python's `json.dumps` and `strftime`, which templates call.
+//!
+//! The real-engine suite (`crates/real-engines`) checks all of it against a running vLLM's own
+//! `/tokenize`.
+
+#![forbid(unsafe_code)]
+
+pub mod builtin;
+pub mod conversation;
+pub mod hf;
+pub mod pyjson;
+pub mod strftime;
+pub mod template;
+
+use serde_json::Value;
+
+pub use builtin::BuiltinTokenizer;
+pub use hf::{HfOptions, HfTokenizer};
+pub use template::ContentFormat;
+
+/// Why a prompt could not be rendered or tokenized.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TokenizeError {
+    /// The chat template failed on these messages.
+    #[error("cannot render the chat template: {0}")]
+    Template(String),
+    /// The tokenizer failed.
+    #[error("cannot tokenize the prompt: {0}")]
+    Encode(String),
+    /// The tokenizer files could not be loaded.
+    #[error("cannot load the tokenizer: {0}")]
+    Load(String),
+}
+
+/// Renders chat requests into prompts and turns prompts into token ids.
+pub trait PromptTokenizer: Send + Sync {
+    /// A short description for logs.
+    fn describe(&self) -> String;
+    /// Token ids of a raw prompt (as `/v1/completions` sends it). `add_special_tokens` adds what the
+    /// tokenizer's post-processor adds (BOS), as engines do for completions unless told otherwise.
+    fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError>;
+    /// The prompt text a chat request renders to (`body` is the whole request: messages, tools,
+    /// `chat_template_kwargs`, `add_generation_prompt`, ...).
+    fn render_chat(&self, body: &Value) -> Result<String, TokenizeError>;
+    /// Token ids of a chat request, as the engine computes them.
+    fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+}
+
+/// The text of a message's `content`: a string, or the `text` parts of an array of parts.
+pub fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("")
+        }
+        _ => String::new(),
+    }
+}

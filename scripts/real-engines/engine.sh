@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Starts or stops one real vLLM engine (CPU) serving the tiny model, in its own process group.
+#
+#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR]
+#   scripts/real-engines/engine.sh stop NAME [RUN_DIR]
+#   scripts/real-engines/engine.sh wait NAME PORT [TIMEOUT_S] [RUN_DIR]
+#
+# KV_ENDPOINT is vLLM's own `endpoint` form: `tcp://*:P` binds the engine's PUB socket (kvgate
+# connects); `tcp://127.0.0.1:P` makes the engine connect (kvgate must bind). The replay socket is
+# always bound by the engine. KV_BYTES is the KV cache size (--kv-cache-memory-bytes): 512 bytes a
+# token for the tiny model, so 4194304 holds 8,192 tokens (256 blocks of 32); the longest prompt
+# is capped at what fits, less one block (at most 4,096 tokens).
+#
+# Flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
+# --trust-request-chat-template (tests render other templates through /tokenize), and
+# --enable-prompt-tokens-details (usage reports cached_tokens, the engine's own cache hits).
+#
+# `start` returns at once; `wait` polls /health and /v1/models until the engine serves, failing
+# early (with the log's tail) if the process dies. The pid of the process group leader is in
+# RUN_DIR/NAME.pid, its log in RUN_DIR/NAME.log. `stop` sends SIGTERM to the whole group, then
+# SIGKILL after 10 s. Everything lives under target/ (default RUN_DIR: target/real-engines/run).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+venv="$root/target/real-engines/venv"
+model="$root/target/real-engines/model"
+cmd="${1:?usage: engine.sh start|stop|wait NAME ...}"
+name="${2:?engine name}"
+
+# Whether any live (non-zombie) process is in process group $1. `kill -0` also counts zombies, which
+# linger when nothing reaps the engine's orphaned children.
+group_alive() {
+  awk -v g="$1" '{ sub(/^.*\) /, ""); if ($3 == g && $1 != "Z") { found = 1; exit } } END { exit !found }' \
+    /proc/[0-9]*/stat 2>/dev/null
+}
+
+stop_group() {
+  local pidfile="$1"
+  [ -f "$pidfile" ] || return 0
+  local pid
+  pid=$(cat "$pidfile")
+  if group_alive "$pid"; then
+    kill -s TERM -- "-$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do
+      group_alive "$pid" || break
+      sleep 0.1
+    done
+    kill -s KILL -- "-$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
+case "$cmd" in
+  start)
+    port="${3:?port}"; kv_endpoint="${4:?kv endpoint}"; replay_port="${5:?replay port}"; kv_bytes="${6:?kv bytes}"
+    run="${7:-$root/target/real-engines/run}"
+    [ -x "$venv/bin/python" ] || { echo "engine.sh: no vLLM venv at $venv; run scripts/real-engines/setup.sh" >&2; exit 1; }
+    [ -f "$model/config.json" ] || { echo "engine.sh: no model at $model; run scripts/real-engines/setup.sh" >&2; exit 1; }
+    mkdir -p "$run/$name.cache" "$run/$name.tmp"
+    stop_group "$run/$name.pid"
+    # The longest sequence must fit the KV cache with a block to spare, or vLLM refuses to start.
+    max_len=$((kv_bytes / 512 - 32))
+    [ "$max_len" -gt 4096 ] && max_len=4096
+    kv_config=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$kv_endpoint" "$replay_port")
+    # setsid: the engine and every process it forks share one process group, stopped as one.
+    # OMP binding off and one thread each, or every engine of a fleet pins itself to core 0.
+    env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+      VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
+      VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
+      setsid "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+        --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
+        --kv-cache-memory-bytes "$kv_bytes" --trust-request-chat-template --enable-prompt-tokens-details \
+        --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+    echo $! > "$run/$name.pid"
+    ;;
+  wait)
+    port="${3:?port}"; timeout_s="${4:-240}"; run="${5:-$root/target/real-engines/run}"
+    pid=$(cat "$run/$name.pid")
+    for _ in $(seq 1 $((timeout_s * 2))); do
+      if ! group_alive "$pid"; then
+        echo "engine.sh: engine $name exited during start-up; the end of $run/$name.log:" >&2
+        tail -n 30 "$run/$name.log" >&2
+        exit 1
+      fi
+      if curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; then
+        exit 0
+      fi
+      sleep 0.5
+    done
+    echo "engine.sh: engine $name not ready on port $port after ${timeout_s}s; the end of $run/$name.log:" >&2
+    tail -n 30 "$run/$name.log" >&2
+    exit 1
+    ;;
+  stop)
+    run="${3:-$root/target/real-engines/run}"
+    stop_group "$run/$name.pid"
+    ;;
+  *)
+    echo "engine.sh: unknown command $cmd (start, wait or stop)" >&2
+    exit 2
+    ;;
+esac

@@ -13,7 +13,8 @@
 #
 # Flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
 # --trust-request-chat-template (tests render other templates through /tokenize), and
-# --enable-prompt-tokens-details (usage reports cached_tokens, the engine's own cache hits).
+# --enable-prompt-tokens-details (usage reports cached_tokens, the engine's own cache hits); and
+# VLLM_SERVER_DEV_MODE=1 for POST /reset_prefix_cache (the demo empties caches between runs with it).
 #
 # `start` returns at once; `wait` polls /health and /v1/models until the engine serves, failing
 # early (with the log's tail) if the process dies. The pid of the process group leader is in
@@ -28,9 +29,19 @@ name="${2:?engine name}"
 
 # Whether any live (non-zombie) process is in process group $1. `kill -0` also counts zombies, which
 # linger when nothing reaps the engine's orphaned children.
+# (cat, not awk, opens the files: processes come and go during the scan, and awk would stop at the
+# first one that vanished. awk reads to the end, so that cat never dies of SIGPIPE under pipefail.)
 group_alive() {
-  awk -v g="$1" '{ sub(/^.*\) /, ""); if ($3 == g && $1 != "Z") { found = 1; exit } } END { exit !found }' \
-    /proc/[0-9]*/stat 2>/dev/null
+  cat /proc/[0-9]*/stat 2>/dev/null |
+    awk -v g="$1" '{ sub(/^.*\) /, ""); if ($3 == g && $1 != "Z") found = 1 } END { exit !found }'
+}
+
+# Whether engine $1 (its group leader's pid) lives: the leader itself (which may not have called
+# setsid yet right after `start`) or any process of its group.
+engine_alive() {
+  local state
+  state=$(sed -e 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+  { [ -n "$state" ] && [ "$state" != Z ]; } || group_alive "$1"
 }
 
 stop_group() {
@@ -64,6 +75,7 @@ case "$cmd" in
     # setsid: the engine and every process it forks share one process group, stopped as one.
     # OMP binding off and one thread each, or every engine of a fleet pins itself to core 0.
     env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+      VLLM_SERVER_DEV_MODE=1 \
       VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
       VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
       setsid "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
@@ -77,7 +89,7 @@ case "$cmd" in
     port="${3:?port}"; timeout_s="${4:-240}"; run="${5:-$root/target/real-engines/run}"
     pid=$(cat "$run/$name.pid")
     for _ in $(seq 1 $((timeout_s * 2))); do
-      if ! group_alive "$pid"; then
+      if ! engine_alive "$pid"; then
         echo "engine.sh: engine $name exited during start-up; the end of $run/$name.log:" >&2
         tail -n 30 "$run/$name.log" >&2
         exit 1

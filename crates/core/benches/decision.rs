@@ -80,7 +80,13 @@ fn bench_decision(c: &mut Criterion) {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let mut next = 0u64;
         let mut decide_and_release = |keys: &[kvgate_core::BlockKey]| {
-            let req = RouteRequest { id: RequestId(next), keys, prompt_tokens: prompt.len() as u64, max_tokens: 256 };
+            let req = RouteRequest {
+                id: RequestId(next),
+                keys,
+                prompt_tokens: prompt.len() as u64,
+                max_tokens: 256,
+                exclude: &[],
+            };
             next += 1;
             let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
             router.release(d.request, Timestamp::ZERO).unwrap();

@@ -40,6 +40,8 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: u64,
     /// Tokens the request may generate.
     pub max_tokens: u64,
+    /// Workers not to choose: those a retry of this request has already failed on.
+    pub exclude: &'a [WorkerId],
 }
 
 /// Which throughput an observation corrects.
@@ -362,7 +364,7 @@ impl Router {
         let kv_stale_after = cfg.kv_stale_after();
         let mut scored = Vec::with_capacity(fleet.by_id.len());
         for (i, worker) in fleet.workers.iter().enumerate() {
-            let Some(w) = worker.as_ref().filter(|w| w.eligible) else {
+            let Some(w) = worker.as_ref().filter(|w| w.eligible && !req.exclude.contains(&w.config.id)) else {
                 continue;
             };
             let slot = WorkerSlot(i as u32);

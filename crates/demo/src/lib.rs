@@ -15,12 +15,16 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use kvgate_gateway::{AppState, GatewayConfig};
-use kvgate_mock_engine::{MockConfig, MockEngine};
+use kvgate_real_engines::fleet::Fleet;
 use kvgate_sim::report::{
     round, Cache, HotPrefix, KvStats, Percentiles2, Percentiles3, Report, Requests, Shadow, Throughput, WorkerReport,
 };
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
+
+pub mod engines;
+
+pub use engines::RunEngines;
 
 /// What the demo runs.
 #[derive(Debug, Clone)]
@@ -43,6 +47,28 @@ pub struct DemoConfig {
     pub min_output: u64,
     /// See `min_output`.
     pub max_output: u64,
+    /// Words of each system prompt, as a fraction of [`PREFIX_WORDS`] (the tiny real model's context
+    /// is 4,096 tokens).
+    pub prefix_scale: f64,
+    /// Shortest and longest question, in words.
+    pub question_words: (usize, usize),
+}
+
+impl DemoConfig {
+    /// The demo scaled to real vLLM engines on the CPU: four engines, 6 requests a second for 20 s,
+    /// system prompts of 100–300 words and short outputs.
+    pub fn for_vllm() -> Self {
+        DemoConfig {
+            workers: 4,
+            duration_s: 20.0,
+            rate: 6.0,
+            min_output: 16,
+            max_output: 64,
+            prefix_scale: 0.1,
+            question_words: (5, 30),
+            ..DemoConfig::default()
+        }
+    }
 }
 
 impl Default for DemoConfig {
@@ -62,6 +88,8 @@ impl Default for DemoConfig {
             timeline: false,
             min_output: 100,
             max_output: 300,
+            prefix_scale: 1.0,
+            question_words: (20, 120),
         }
     }
 }
@@ -77,11 +105,12 @@ pub fn demo_profile() -> kvgate_engine_model::EngineProfile {
     }
 }
 
-/// System prompts (words) and their Zipf weights.
-const PREFIX_WORDS: [usize; 6] = [2400, 1600, 2000, 1200, 2800, 1000];
+/// System prompts (words, before [`DemoConfig::prefix_scale`]) and their Zipf weights.
+pub const PREFIX_WORDS: [usize; 6] = [2400, 1600, 2000, 1200, 2800, 1000];
 
-fn system_prompt(k: usize) -> String {
-    (0..PREFIX_WORDS[k]).map(|i| format!("sys{k}w{i} ")).collect()
+fn system_prompt(k: usize, scale: f64) -> String {
+    let words = ((PREFIX_WORDS[k] as f64 * scale).round() as usize).max(1);
+    (0..words).map(|i| format!("sys{k}w{i} ")).collect()
 }
 
 struct Arrival {
@@ -111,7 +140,9 @@ fn arrivals(cfg: &DemoConfig) -> Vec<Arrival> {
         out.push(Arrival {
             at: Duration::from_secs_f64(t),
             prefix: prefix.unwrap_or(0),
-            question: (0..rng.random_range(20..120)).map(|i| format!("q{n}w{i} ")).collect(),
+            question: (0..rng.random_range(cfg.question_words.0..cfg.question_words.1.max(cfg.question_words.0 + 1)))
+                .map(|i| format!("q{n}w{i} "))
+                .collect(),
             max_tokens: rng.random_range(cfg.min_output..cfg.max_output),
         });
     }
@@ -159,8 +190,20 @@ async fn one_request(client: &reqwest::Client, url: &str, body: Value, hot: bool
     out
 }
 
-/// Runs one policy entry on fresh engines and a fresh gateway; `progress` counts finished requests.
+/// Runs one policy entry on fresh mock engines and a fresh gateway; `progress` counts finished
+/// requests.
 pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) -> Result<Report, String> {
+    run_one_on(cfg, entry, progress, None).await
+}
+
+/// Runs one policy entry on `fleet` (real vLLM engines, prefix caches reset first) or, without one,
+/// on fresh mock engines; always with a fresh gateway.
+pub async fn run_one_on(
+    cfg: &DemoConfig,
+    entry: &str,
+    progress: Arc<AtomicU64>,
+    fleet: Option<Arc<Fleet>>,
+) -> Result<Report, String> {
     let spec = kvgate_sim::policy::PolicySpec::parse(entry).map_err(|e| e.to_string())?;
     let (name, mode, seeding) = match spec.name.as_str() {
         "projected" => ("projected", spec.mode.unwrap_or(kvgate_core::Mode::Enforce).to_string(), false),
@@ -168,36 +211,11 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
         "cache_aware_seeded" => ("cache_aware", "enforce".to_string(), true),
         other => return Err(format!("the demo runs projected modes and cache_aware(_seeded), not {other}")),
     };
-    let profile = demo_profile();
-    let mut engines = Vec::new();
-    for i in 0..cfg.workers {
-        engines.push(
-            MockEngine::start(MockConfig {
-                speedup: cfg.speedup,
-                seed: i as u64 + 1,
-                profile: profile.clone(),
-                ..MockConfig::default()
-            })
-            .await?,
-        );
-    }
-    let mut toml = format!(
-        "[server]\nblock_size = {}\n[policy]\nname = \"{name}\"\nmode = \"{mode}\"\ndistribution_seeding = {seeding}\nadmission_wait_s = 20\n[telemetry]\npoll_interval_ms = 100\nhealth_interval_ms = 500\n",
-        profile.block_size
+    let engines = RunEngines::start(cfg, fleet).await?;
+    let toml = format!(
+        "{}[policy]\nname = \"{name}\"\nmode = \"{mode}\"\ndistribution_seeding = {seeding}\nadmission_wait_s = 20\n[telemetry]\npoll_interval_ms = 100\nhealth_interval_ms = 500\n",
+        engines.gateway_toml(cfg)
     );
-    // The router plans in model seconds; the engines run `speedup` times faster than that.
-    let decode = profile.decode_tokens_per_s(profile.max_running as u64, 4096);
-    for (i, e) in engines.iter().enumerate() {
-        toml.push_str(&format!(
-            "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\n",
-            e.url,
-            e.kv_events,
-            e.replay,
-            profile.prefill_tokens_per_s * cfg.speedup,
-            decode * cfg.speedup,
-            profile.kv_capacity_tokens
-        ));
-    }
     let mut gcfg = GatewayConfig::from_toml(&toml).map_err(|e| e.to_string())?;
     gcfg.port = 0;
     let state = AppState::new(gcfg).map_err(|e| e.to_string())?;
@@ -209,37 +227,20 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
     }));
     tokio::time::sleep(Duration::from_millis(600)).await; // first polls and subscriptions
     let client = reqwest::Client::builder().pool_max_idle_per_host(256).build().map_err(|e| e.to_string())?;
-    let body = |prefix: usize, question: &str, max_tokens: u64| {
-        json!({"model": "mock-model", "stream": true, "max_tokens": max_tokens, "stream_options": {"include_usage": true},
-               "messages": [{"role": "system", "content": system_prompt(prefix)}, {"role": "user", "content": question}]})
+    let (model, scale) = (engines.model(), cfg.prefix_scale);
+    let body = move |prefix: usize, question: &str, max_tokens: u64| {
+        json!({"model": model, "stream": true, "max_tokens": max_tokens, "ignore_eos": true,
+               "stream_options": {"include_usage": true},
+               "messages": [{"role": "system", "content": system_prompt(prefix, scale)}, {"role": "user", "content": question}]})
     };
     // Warm one engine with the hottest prompt: it starts as that prompt's owner.
     one_request(&client, &url, body(0, "warm up", 8), false).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let owner =
         state.router.workers(state.clock.now()).into_iter().max_by_key(|w| w.blocks_held).map(|w| w.id.to_string());
-    let before: Vec<(u64, u64, u64)> = engines
-        .iter()
-        .map(|e| {
-            let (p, c) = e.cache_counters();
-            (p, c, e.shared.finished.load(Ordering::Relaxed))
-        })
-        .collect();
-    for e in &engines {
-        e.shared.max_waiting.store(0, Ordering::Relaxed);
-    }
-    let timeline = Arc::new(parking_lot_free::Timeline::default());
-    let sampler = cfg.timeline.then(|| {
-        let (engines, timeline) = (engines.clone(), timeline.clone());
-        tokio::spawn(async move {
-            let start = Instant::now();
-            loop {
-                let depths = engines.iter().map(|e| e.shared.load.lock().waiting_requests as u32).collect();
-                timeline.push(start.elapsed().as_secs_f64(), depths);
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        })
-    });
+    let before = engines.counters().await?;
+    engines.reset_peaks();
+    let sampler = engines.sample(Duration::from_millis(if cfg.timeline { 250 } else { 100 }));
     let decisions_before = state.decisions.lock().len();
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -259,23 +260,14 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
         outcomes.push(t.await.map_err(|e| e.to_string())?);
     }
     let span = started.elapsed().as_secs_f64();
-    if let Some(s) = sampler {
-        s.abort();
-    }
+    let samples = sampler.finish();
     let log: Vec<kvgate_core::Decision> =
         state.decisions.lock().iter().skip(decisions_before).map(|d| d.decision.clone()).collect();
     let _ = stop_tx.send(());
     let _ = server.await;
-    let after: Vec<(u64, u64, u64, u64)> = engines
-        .iter()
-        .map(|e| {
-            let (p, c) = e.cache_counters();
-            (p, c, e.shared.finished.load(Ordering::Relaxed), e.shared.max_waiting.load(Ordering::Relaxed))
-        })
-        .collect();
-    for e in &engines {
-        e.kill();
-    }
+    let after = engines.counters().await?;
+    let peaks = engines.peak_waiting(&samples);
+    engines.finish();
 
     let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
     for d in &log {
@@ -291,8 +283,8 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.status == 200 && o.e2e.is_some()).collect();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
     let mut e2e: Vec<f64> = ok.iter().filter_map(|o| o.e2e).collect();
-    let prompt: u64 = after.iter().zip(&before).map(|(a, b)| a.0 - b.0).sum();
-    let cached: u64 = after.iter().zip(&before).map(|(a, b)| a.1 - b.1).sum();
+    let prompt: u64 = after.iter().zip(&before).map(|(a, b)| a.prompt_tokens.saturating_sub(b.prompt_tokens)).sum();
+    let cached: u64 = after.iter().zip(&before).map(|(a, b)| a.cached_tokens.saturating_sub(b.cached_tokens)).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let shadow = log.iter().filter(|d| d.mode == kvgate_core::Mode::Shadow).count() as u64;
     let streams: Vec<kvgate_gateway::kv_events::StreamView> =
@@ -316,8 +308,13 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
         workers: after
             .iter()
             .zip(&before)
+            .zip(&peaks)
             .enumerate()
-            .map(|(i, (a, b))| WorkerReport { id: format!("w{i}"), requests: a.2 - b.2, max_waiting: a.3 })
+            .map(|(i, ((a, b), peak))| WorkerReport {
+                id: format!("w{i}"),
+                requests: a.finished.saturating_sub(b.finished),
+                max_waiting: *peak,
+            })
             .collect(),
         hot_prefix: HotPrefix { owner, owner_share: round(owner_share), requests: hot.len() as u64 },
         shadow: Shadow { decisions: shadow, disagreements: log.iter().filter(|d| d.shadow_disagrees()).count() as u64 },
@@ -328,34 +325,11 @@ pub async fn run_one(cfg: &DemoConfig, entry: &str, progress: Arc<AtomicU64>) ->
             restarts: streams.iter().map(|s| s.restarts).sum(),
             credit_while_untrusted: 0,
         },
-        timeline: timeline.take(),
+        timeline: if cfg.timeline { samples } else { Vec::new() },
     })
 }
 
 /// The number of requests one run sends.
 pub fn requests_per_run(cfg: &DemoConfig) -> usize {
     arrivals(cfg).len()
-}
-
-/// A small append-only sample list shared with the sampler task.
-mod parking_lot_free {
-    use std::sync::Mutex;
-
-    /// `(seconds, per-engine waiting)` samples.
-    #[derive(Debug, Default)]
-    pub struct Timeline(Mutex<Vec<(f64, Vec<u32>)>>);
-
-    impl Timeline {
-        /// Adds a sample.
-        pub fn push(&self, t: f64, depths: Vec<u32>) {
-            if let Ok(mut v) = self.0.lock() {
-                v.push((t, depths));
-            }
-        }
-
-        /// Takes every sample.
-        pub fn take(&self) -> Vec<(f64, Vec<u32>)> {
-            self.0.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
-        }
-    }
 }

@@ -107,7 +107,11 @@ impl Metrics {
             projected_seconds.clone(),
         );
         let retries = Counter::default();
-        registry.register("retries", "Failed connects retried on another engine", retries.clone());
+        registry.register(
+            "retries",
+            "Requests retried on another engine after a failed connect or a connection that broke before any response",
+            retries.clone(),
+        );
         let kv_events = Family::<EngineLabel, Counter>::default();
         registry.register("kv_events", "KV events applied to the index", kv_events.clone());
         let kv_gaps = Family::<EngineLabel, Counter>::default();

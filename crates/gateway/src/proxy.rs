@@ -116,10 +116,16 @@ pub async fn dispatch(
     let mut queued = false;
     let attempts = state.engines.read().len().clamp(1, 3);
     let mut attempt = 0;
+    let mut tried: Vec<WorkerId> = Vec::new();
     let result = loop {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
-        let route =
-            RouteRequest { id, keys: &keys, prompt_tokens: parsed.tokens.len() as u64, max_tokens: parsed.max_tokens };
+        let route = RouteRequest {
+            id,
+            keys: &keys,
+            prompt_tokens: parsed.tokens.len() as u64,
+            max_tokens: parsed.max_tokens,
+            exclude: &tried,
+        };
         let started = state.clock.instant();
         let decided = {
             let mut rng = state.rng.lock();
@@ -127,6 +133,11 @@ pub async fn dispatch(
         };
         let decision = match decided {
             Ok(d) => d,
+            // Every engine left has already failed this request: say so, not "no engine".
+            Err(DecideError::NoEligibleWorker) if !tried.is_empty() => {
+                state.metrics.request(ApiError::UpstreamUnavailable.status().as_u16(), None);
+                break Err(ApiError::UpstreamUnavailable);
+            }
             Err(DecideError::NoEligibleWorker) => {
                 if wait_for_capacity(&state, deadline, &mut queued).await {
                     continue;
@@ -175,18 +186,27 @@ pub async fn dispatch(
                 flight.outcome = 504;
                 break Err(ApiError::UpstreamTimeout);
             }
-            Ok(Err(e)) if e.is_connect() && attempt + 1 < attempts => {
-                tracing::warn!(engine = %engine.id, request = id.0, error = %e, "connect failed; retrying on another engine");
-                engines::connect_failed(&state, &engine);
+            // Nothing came back, so the client has seen nothing: another engine can take it. A
+            // failed connect takes the engine out; a connection that broke before any response (an
+            // engine closing a kept-alive connection under load) is retried without blame.
+            Ok(Err(e)) if !e.is_timeout() && attempt + 1 < attempts => {
+                let why = error_chain(&e);
+                if e.is_connect() {
+                    tracing::warn!(engine = %engine.id, request = id.0, error = %why, "connect failed; retrying on another engine");
+                    engines::connect_failed(&state, &engine);
+                } else {
+                    tracing::info!(engine = %engine.id, request = id.0, error = %why, "request failed before any response; retrying");
+                }
                 state.metrics.retries.inc();
                 attempt += 1;
+                tried.push(engine.id.clone());
                 let mut flight = flight;
                 flight.outcome = 0;
                 drop(flight);
                 continue;
             }
             Ok(Err(e)) => {
-                tracing::warn!(engine = %engine.id, request = id.0, error = %e, "upstream request failed");
+                tracing::warn!(engine = %engine.id, request = id.0, error = %error_chain(&e), "upstream request failed");
                 if e.is_connect() {
                     engines::connect_failed(&state, &engine);
                 }
@@ -208,6 +228,18 @@ pub async fn dispatch(
         }
     }
     result
+}
+
+/// An error with its causes, `outer: inner: innermost` (reqwest's own text omits them).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// Waits a moment for capacity if bounded queueing allows; false when the request must be answered.

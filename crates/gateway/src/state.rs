@@ -80,7 +80,10 @@ impl AppState {
         let tokenizer = crate::tokenize::build(&config.tokenizer).map_err(|e| GatewayError::Config(e.to_string()))?;
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
-            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            // Engines close idle keep-alive connections themselves (uvicorn after 5 s); reusing one
+            // they are about to close loses the request, so kvgate lets go first.
+            .pool_idle_timeout(config.upstream_keepalive)
+            .pool_max_idle_per_host(if config.upstream_keepalive.is_zero() { 0 } else { usize::MAX })
             .build()
             .map_err(|e| GatewayError::Config(format!("http client: {e}")))?;
         let clock = Clock::start();

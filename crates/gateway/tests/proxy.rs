@@ -104,6 +104,42 @@ async fn a_failed_connect_is_retried_on_another_engine() {
     assert!(metrics.contains("kvgate_retries_total 1"), "{metrics}");
 }
 
+/// An "engine" that reads each request and closes the connection without answering, as an engine
+/// closing a kept-alive connection does.
+async fn hang_up_url() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = tokio::io::AsyncReadExt::read(&mut sock, &mut buf).await;
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_breaks_before_any_response_is_retried_elsewhere() {
+    let engine = fake_engine().await;
+    let hang_up = hang_up_url().await;
+    // Slow health checks: the hang-up engine stays in rotation, so requests do reach it.
+    let toml = format!(
+        "[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 60000\n[[workers]]\nurl = \"{hang_up}\"\n[[workers]]\nurl = \"{}\"\n",
+        engine.url()
+    );
+    let gw = gateway(&toml).await;
+    for _ in 0..8 {
+        let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
+        assert_eq!(r.status(), 200, "the client never sees the broken connection");
+    }
+    assert_eq!(engine.requests(), 8);
+    let metrics = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let retries = metrics.lines().find(|l| l.starts_with("kvgate_retries_total")).unwrap();
+    assert!(!retries.ends_with(" 0"), "{retries}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_failing_mid_stream_is_reported_to_the_client() {
     let engine = fake_engine().await;

@@ -230,6 +230,7 @@ pub fn run(input: &str, seed: u64) -> anyhow::Result<DecideOutput> {
                 keys: &keys,
                 prompt_tokens: prompt.len() as u64,
                 max_tokens: r.max_tokens,
+                exclude: &[],
             };
             let decision = router.decide(&route, now, &mut rng).map_err(|e| anyhow!("requests[{i}]: {e}"))?;
             decisions.push(decision.into());

@@ -14,18 +14,31 @@ use kvgate_mock_engine::{EventFormat, Faults, MockConfig, MockEngine};
 
 use crate::sim::Format;
 
+/// The engines the demo runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoEngines {
+    /// kvgate's mock engines, in process (no set-up, no GPU).
+    Mock,
+    /// Real vLLM engines on the CPU with a tiny model, set up by scripts/real-engines/setup.sh
+    /// (about 3.4 GB the first time) and started once; their prefix caches are reset before each run.
+    Vllm,
+}
+
 /// Flags of `kvgate demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Mock engines.
-    #[arg(long, default_value_t = 8)]
-    workers: usize,
-    /// Seconds of traffic per run.
-    #[arg(long, default_value_t = 10.0)]
-    duration: f64,
-    /// Requests per second.
-    #[arg(long, default_value_t = 50.0)]
-    rate: f64,
+    /// Which engines: mock (default) or vllm.
+    #[arg(long, value_enum, default_value_t = DemoEngines::Mock)]
+    engines: DemoEngines,
+    /// Engines [default: 8 mock, 4 vllm].
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Seconds of traffic per run [default: 10 mock, 20 vllm].
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Requests per second [default: 50 mock, 6 vllm].
+    #[arg(long)]
+    rate: Option<f64>,
     /// Engine model speed-up (1: the engines run at the modelled speed).
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -47,25 +60,51 @@ pub struct DemoArgs {
     plot: Option<PathBuf>,
 }
 
+/// Sets up and starts the real vLLM fleet for `kvgate demo --engines vllm`.
+fn start_vllm_fleet(workers: usize) -> anyhow::Result<kvgate_real_engines::fleet::Fleet> {
+    use kvgate_real_engines::fleet::{repo_root, EngineSpec, Fleet, BYTES_PER_TOKEN};
+    let setup = repo_root().join("scripts/real-engines/setup.sh");
+    if !setup.exists() {
+        bail!("--engines vllm runs from the kvgate source tree ({} is missing)", setup.display());
+    }
+    eprintln!("setting up vLLM for CPU and the tiny model (scripts/real-engines/setup.sh)...");
+    let status = std::process::Command::new("bash").arg(&setup).status().context("cannot run setup.sh")?;
+    if !status.success() {
+        bail!("scripts/real-engines/setup.sh failed");
+    }
+    eprintln!("starting {workers} vLLM engines (about a minute)...");
+    // 4,096 tokens of KV each: small enough that the hot prefix's owner queues under the burst.
+    let specs = (0..workers).map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN)).collect();
+    Fleet::start(specs, Duration::from_secs(600))
+}
+
 /// Runs `kvgate demo`.
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
-    if a.workers == 0 || a.workers > 64 {
-        bail!("--workers must be between 1 and 64");
+    let vllm = a.engines == DemoEngines::Vllm;
+    let base = if vllm { DemoConfig::for_vllm() } else { DemoConfig::default() };
+    let workers = a.workers.unwrap_or(base.workers);
+    let (duration, rate) = (a.duration.unwrap_or(base.duration_s), a.rate.unwrap_or(base.rate));
+    if workers == 0 || workers > 64 || (vllm && workers > 8) {
+        bail!("--workers must be between 1 and 64 (at most 8 vLLM engines)");
     }
     let in_range = |v: f64, max: f64| v > 0.0 && v <= max;
-    if !in_range(a.duration, 3600.0) || !in_range(a.rate, 1000.0) || !in_range(a.speedup, 100.0) {
+    if !in_range(duration, 3600.0) || !in_range(rate, 1000.0) || !in_range(a.speedup, 100.0) {
         bail!("--duration must be in (0, 3600], --rate in (0, 1000] and --speedup in (0, 100]");
     }
+    if vllm && a.speedup != 1.0 {
+        bail!("--speedup applies to mock engines only: real engines run at their own speed");
+    }
     let cfg = DemoConfig {
-        workers: a.workers,
-        duration_s: a.duration,
-        rate: a.rate,
+        workers,
+        duration_s: duration,
+        rate,
         speedup: a.speedup,
         seed: a.seed,
         runs: a.runs.clone(),
         timeline: a.plot.is_some(),
-        ..DemoConfig::default()
+        ..base
     };
+    let fleet = if vllm { Some(Arc::new(start_vllm_fleet(workers)?)) } else { None };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let per_run = kvgate_demo::requests_per_run(&cfg) as u64;
     let reports = runtime.block_on(async {
@@ -94,7 +133,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
                     }
                 })
             });
-            let report = kvgate_demo::run_one(&cfg, entry, progress).await;
+            let report = kvgate_demo::run_one_on(&cfg, entry, progress, fleet.clone()).await;
             if let Some(bar) = bar {
                 bar.abort();
                 eprintln!();
@@ -103,10 +142,18 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
         Ok::<_, anyhow::Error>(reports)
     })?;
-    let header = format!(
-        "kvgate demo: {} mock engines over loopback HTTP, {} requests per run, speed-up {}",
-        cfg.workers, per_run, cfg.speedup
-    );
+    drop(fleet);
+    let header = if vllm {
+        format!(
+            "kvgate demo: {} real vLLM engines (CPU, tiny model) over loopback HTTP, {per_run} requests per run",
+            cfg.workers
+        )
+    } else {
+        format!(
+            "kvgate demo: {} mock engines over loopback HTTP, {per_run} requests per run, speed-up {}",
+            cfg.workers, cfg.speedup
+        )
+    };
     crate::sim::write_reports(&reports, a.plot.as_deref(), a.format, false, &header)?;
     if a.format == Format::Table {
         println!("(maxQ: the busiest engine's peak waiting queue; owner: share of the hottest prompt sent to its first owner)");

@@ -100,3 +100,40 @@ fn bad_configuration_exits_with_a_message() {
         Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["serve", "--config", "/nonexistent.toml"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent.toml"));
 }
+
+#[test]
+fn kv_events_are_given_on_the_command_line() {
+    let (child, addr) = start(&[
+        "--port",
+        "0",
+        "--block-size",
+        "32",
+        "--worker",
+        "http://127.0.0.1:9,id=a,engine=vllm,kv_events=:45557,replay=:45558",
+        "--worker",
+        "http://127.0.0.1:10,id=b,kv_events=:45567,kv_events_bind=true",
+        "--worker",
+        "http://127.0.0.1:11,id=c",
+        "--kv-events-port",
+        "45577",
+        "--replay-port",
+        "45578",
+    ]);
+    let workers: serde_json::Value = {
+        let text = http_get(&addr, "/admin/workers");
+        serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap()).unwrap()
+    };
+    let list = workers["workers"].as_array().unwrap();
+    assert_eq!(list.len(), 3);
+    for w in list {
+        assert!(w["kv_events"].is_object(), "every worker has a KV-event stream: {w}");
+    }
+    stop(child);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--port", "0", "--worker", "http://127.0.0.1:9,kv_events=tcp://*:5557"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("wildcard") && err.contains("kv_events_bind"), "{err}");
+}

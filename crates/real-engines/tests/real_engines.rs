@@ -20,6 +20,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 mod real {
     pub mod cache;
+    pub mod demo;
     pub mod parity;
     pub mod restart;
     pub mod routing;
@@ -53,6 +54,8 @@ fn main() -> ExitCode {
         real::streaming::streaming_through_kvgate_is_byte_for_byte_what_the_engine_sent,
         real::routing::a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_become_owners,
         real::cache::eviction_shrinks_credit_with_the_engines_block_removed_events,
+        real::cache::a_prefix_cache_reset_clears_credit_through_all_blocks_cleared,
+        real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,
         real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero,
     ];
     if args.list {

@@ -86,7 +86,13 @@ impl Req {
     }
 
     pub fn route(&self) -> RouteRequest<'_> {
-        RouteRequest { id: self.id, keys: &self.keys, prompt_tokens: self.prompt_tokens, max_tokens: self.max_tokens }
+        RouteRequest {
+            id: self.id,
+            keys: &self.keys,
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+            exclude: &[],
+        }
     }
 }
 

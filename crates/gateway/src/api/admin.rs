@@ -152,6 +152,7 @@ pub async fn decide(
         keys: &keys,
         prompt_tokens: parsed.tokens.len() as u64,
         max_tokens: parsed.max_tokens,
+        exclude: &[],
     };
     let decision = {
         let mut rng = state.rng.lock();

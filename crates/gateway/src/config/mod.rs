@@ -46,6 +46,7 @@ struct ServerTable {
     max_body_bytes: Option<usize>,
     request_timeout_s: Option<f64>,
     connect_timeout_ms: Option<u64>,
+    upstream_keepalive_ms: Option<u64>,
     shutdown_grace_s: Option<f64>,
     block_size: Option<u32>,
     decision_log: Option<usize>,
@@ -203,6 +204,14 @@ pub const CONNECT_TIMEOUT_MS: Knob = Knob {
     default: 2000.0,
     meaning: "TCP connect timeout to an engine; a failed connect is retried on another worker",
 };
+/// See [`GatewayConfig::upstream_keepalive`].
+pub const UPSTREAM_KEEPALIVE_MS: Knob = Knob {
+    name: "upstream_keepalive_ms",
+    min: 0.0,
+    max: 3_600_000.0,
+    default: 4000.0,
+    meaning: "how long an idle connection to an engine is kept for reuse; keep it below the engine's own keep-alive (vLLM and SGLang: 5 s), or a request can be sent on a connection the engine is closing; 0 opens one per request",
+};
 /// See [`GatewayConfig::poll_interval`].
 pub const POLL_INTERVAL_MS: Knob = Knob {
     name: "poll_interval_ms",
@@ -291,6 +300,8 @@ pub struct GatewayConfig {
     pub request_timeout: Duration,
     /// See [`CONNECT_TIMEOUT_MS`].
     pub connect_timeout: Duration,
+    /// See [`UPSTREAM_KEEPALIVE_MS`].
+    pub upstream_keepalive: Duration,
     /// See [`POLL_INTERVAL_MS`].
     pub poll_interval: Duration,
     /// See [`HEALTH_INTERVAL_MS`].
@@ -413,6 +424,11 @@ impl GatewayConfig {
                 None,
                 s.connect_timeout_ms.map(|v| v as f64),
             )? as u64),
+            upstream_keepalive: Duration::from_millis(pick(
+                UPSTREAM_KEEPALIVE_MS,
+                None,
+                s.upstream_keepalive_ms.map(|v| v as f64),
+            )? as u64),
             poll_interval: Duration::from_millis(pick(
                 POLL_INTERVAL_MS,
                 o.poll_interval_ms.map(|v| v as f64),
@@ -474,6 +490,7 @@ pub const KNOBS: &[Knob] = &[
     MAX_QUEUED,
     REQUEST_TIMEOUT_S,
     CONNECT_TIMEOUT_MS,
+    UPSTREAM_KEEPALIVE_MS,
     POLL_INTERVAL_MS,
     HEALTH_INTERVAL_MS,
     FAILURES_TO_OPEN,

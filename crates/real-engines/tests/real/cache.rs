@@ -186,3 +186,30 @@ pub async fn eviction_shrinks_credit_with_the_engines_block_removed_events(fleet
     gw.stop().await;
     Ok(())
 }
+
+pub async fn a_prefix_cache_reset_clears_credit_through_all_blocks_cleared(fleet: Arc<Fleet>) -> anyhow::Result<()> {
+    let a = fleet.engine("a");
+    let gw = Gateway::start("", test_overrides(&[a])).await?;
+    let body = completion(json!(text("reset-prefix", 300)));
+    post(&a.url(), "/v1/completions", &body).await?;
+    settled_credit(&gw, &body, "a").await?;
+    let r = kvgate_real_engines::gateway::http().post(format!("{}/reset_prefix_cache", a.url())).send().await?;
+    ensure!(r.status().is_success(), "POST /reset_prefix_cache answered {}", r.status());
+    // vLLM queues AllBlocksCleared and publishes it with its next scheduler step, not at the reset:
+    // until the engine runs something, its old blocks are still announced.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ensure!(gw.blocks_held("a").await? > 0, "the reset was announced before the engine's next step");
+    post(&a.url(), "/v1/completions", &completion(json!("an unrelated short prompt"))).await?;
+    gw.wait_for("the engine's AllBlocksCleared to clear its credit", Duration::from_secs(10), || async {
+        Ok(gw.blocks_held("a").await? == 0 && gw.credit(&body, "a").await? == 0)
+    })
+    .await?;
+    ensure!(gw.kv_state("a").await?["state"] == "synced", "a cleared cache is still a synced view");
+    let hits = engine_hits(a, &body).await?;
+    ensure!(hits == 0, "the engine still had {hits} tokens of the prompt cached after the reset");
+    let credit = settled_credit(&gw, &body, "a").await?;
+    ensure!(credit == engine_hits(a, &body).await?, "credit after the reset differs from the engine's hits");
+    no_decode_errors(&gw, "a").await?;
+    gw.stop().await;
+    Ok(())
+}

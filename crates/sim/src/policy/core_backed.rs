@@ -47,8 +47,13 @@ impl SimPolicy for CorePolicy {
         now: Timestamp,
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
-        let route =
-            RouteRequest { id: req.id, keys: req.keys, prompt_tokens: req.prompt_tokens, max_tokens: req.max_tokens };
+        let route = RouteRequest {
+            id: req.id,
+            keys: req.keys,
+            prompt_tokens: req.prompt_tokens,
+            max_tokens: req.max_tokens,
+            exclude: &[],
+        };
         let d = self.router.decide(&route, now, rng).ok()?;
         Some(Pick {
             worker: self.index_of(&d.worker),

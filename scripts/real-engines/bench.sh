@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# kvgate against SMG on the same real vLLM fleet: NVIDIA's aiperf replays a Mooncake conversation
+# slice through each router, every run on a freshly started fleet (cold caches), runs interleaved and
+# repeated. Reports TTFT p50/p90/p99, throughput, errors, and the engines' own prefix-cache hit rate
+# (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, summed over the fleet).
+# Not part of CI; results go in docs/benchmarks.md.
+#
+# Usage: scripts/real-engines/bench.sh [ROWS] [ENGINES] [TIME_SCALE] [REPEATS] [CONFIGS]
+#   ROWS        trace rows replayed (default 400: 13.5% of their blocks are a prefix seen before)
+#   ENGINES     vLLM engines (default 4), each with KV_TOKENS of KV cache (default 65536: enough to
+#               keep a conversation's prefix until its next turn; with 8192 the caches turn over in
+#               seconds and no router can reuse more than the shared first block)
+#   TIME_SCALE  the trace's timestamps are divided by this (default 2: about 5.5 requests/s, more than
+#               the 4 engines on 2 cores keep up with, so queues form)
+#   REPEATS     rounds over the configs, each round in a rotated order (default 3)
+#   CONFIGS     comma-separated from kvgate-enforce, kvgate-off, smg-cache_aware, smg-round_robin
+#               (default: all four)
+# Prompts: each Mooncake hash id becomes a whole block of BLOCK tokens (env BLOCK, default 32) instead
+# of 512, prompts are cut to MAX_PROMPT tokens (env, default 3500), and outputs are a quarter of the
+# trace's, at most MAX_OUTPUT (env, default 64).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rows="${1:-400}"
+engines="${2:-4}"
+time_scale="${3:-2}"
+repeats="${4:-3}"
+configs="${5:-kvgate-enforce,kvgate-off,smg-cache_aware,smg-round_robin}"
+kv_tokens="${KV_TOKENS:-65536}"
+block="${BLOCK:-32}"
+max_prompt="${MAX_PROMPT:-3500}"
+max_output="${MAX_OUTPUT:-64}"
+trace=../shared/data/traces/mooncake_conversation_trace.jsonl
+[ -f "$trace" ] || { echo "bench.sh: $trace is missing" >&2; exit 1; }
+work=target/real-engines/bench
+run_dir="$work/run"
+model="$PWD/target/real-engines/model"
+mkdir -p "$work"
+
+scripts/real-engines/setup.sh
+if [ ! -x target/bench-venv/bin/aiperf ]; then
+  python3 -m venv target/bench-venv
+  target/bench-venv/bin/pip install --quiet --disable-pip-version-check "aiperf==0.13.0"
+fi
+if [ ! -x target/smg-venv/bin/smg ]; then
+  python3 -m venv target/smg-venv
+  target/smg-venv/bin/pip install --quiet --disable-pip-version-check "smg==1.13.0"
+fi
+cargo build --release -p kvgate --quiet
+kvgate=target/release/kvgate
+
+# The slice: hash ids kept (equal ids, equal content), lengths scaled to BLOCK tokens a hash id.
+python3 - "$trace" "$rows" "$time_scale" "$block" "$max_prompt" "$max_output" > "$work/slice.jsonl" <<'PY'
+import json, sys
+path, rows, scale, block, max_prompt, max_output = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+with open(path) as f:
+    for i, line in enumerate(f):
+        if i >= rows:
+            break
+        r = json.loads(line)
+        # Whole blocks only: aiperf requires each hash id to have one size everywhere, and a trace's
+        # partial last block reappears whole in the conversation's next turn.
+        ids = r["hash_ids"][: max(1, max_prompt // block)]
+        r["hash_ids"] = ids
+        r["input_length"] = len(ids) * block
+        # At least 8: the random-weight model's first tokens sometimes decode to nothing, which aiperf
+        # counts as an error.
+        r["output_length"] = max(8, min(max_output, r["output_length"] // 4))
+        r["timestamp"] = int(r["timestamp"] / scale)
+        print(json.dumps(r))
+PY
+
+base=19000
+engine_port() { echo $((base + 10 * $1)); }
+router_port=$((base + 900))
+pids=()
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  for i in $(seq 0 $((engines - 1))); do scripts/real-engines/engine.sh stop "e$i" "$run_dir" || true; done
+}
+trap stop_all EXIT
+
+start_fleet() {
+  for i in $(seq 0 $((engines - 1))); do
+    p=$(engine_port "$i")
+    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir"
+  done
+  for i in $(seq 0 $((engines - 1))); do
+    scripts/real-engines/engine.sh wait "e$i" "$(engine_port "$i")" 300 "$run_dir"
+  done
+}
+
+start_router() {
+  local cfg="$1" log="$2"
+  local urls=() workers=()
+  for i in $(seq 0 $((engines - 1))); do
+    p=$(engine_port "$i")
+    urls+=("http://127.0.0.1:$p")
+    # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
+    # ~3k decode tokens/s at 16 streams.
+    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=vllm,kv_events=:$((p + 1)),replay=:$((p + 2)),prefill_tokens_per_s=20000,decode_tokens_per_s=3000")
+  done
+  case "$cfg" in
+    kvgate-*)
+      # vLLM reports running requests, not their remaining output: assume half this slice's mean
+      # output (about 32 tokens) instead of the default 256.
+      printf '[telemetry]\npoll_interval_ms = 200\nassumed_decode_tokens = 32\n' > "$work/kvgate.toml"
+      "$kvgate" serve --config "$work/kvgate.toml" --host 127.0.0.1 --port "$router_port" --block-size 32 \
+        --tokenizer "$model/tokenizer.json" --policy projected --mode "${cfg#kvgate-}" --admission-wait-s 0 \
+        "${workers[@]}" > "$log" 2>&1 &
+      ;;
+    smg-*)
+      target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
+        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" --log-level warn > "$log" 2>&1 &
+      ;;
+    *) echo "bench.sh: unknown config $cfg" >&2; exit 2 ;;
+  esac
+  pids+=($!)
+  local body='{"model":"tiny","messages":[{"role":"user","content":"warm"}],"max_tokens":1}'
+  for _ in $(seq 1 120); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' -m 5 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$router_port/v1/chat/completions")" = 200 ]; then
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "bench.sh: $cfg did not answer; see $log" >&2
+  exit 1
+}
+
+fleet_cache() {
+  python3 - "$engines" "$base" <<'PY'
+import sys, urllib.request
+n, base = int(sys.argv[1]), int(sys.argv[2])
+hits = queries = 0.0
+for i in range(n):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:prefix_cache_queries_total"):
+            queries += float(line.rsplit(" ", 1)[1])
+print(f"{hits:.0f} {queries:.0f}")
+PY
+}
+
+IFS=',' read -r -a config_list <<< "$configs"
+results="$work/results.jsonl"
+: > "$results"
+# aiperf 0.13's prompt-synthesis workers load the tokenizer in HF offline mode, which finds only hub
+# snapshots, never a local directory: lay the tiny model's tokenizer out as a cached snapshot of a
+# made-up repo, kvgate/tiny, in a private HF cache, and load it from there.
+export HF_HOME="$PWD/target/real-engines/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+snapshot="$HF_HOME/hub/models--kvgate--tiny/snapshots/0000000000000000000000000000000000000000"
+mkdir -p "$snapshot" "$HF_HOME/hub/models--kvgate--tiny/refs"
+cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja "$model"/config.json "$snapshot/"
+echo -n 0000000000000000000000000000000000000000 > "$HF_HOME/hub/models--kvgate--tiny/refs/main"
+for rep in $(seq 1 "$repeats"); do
+  n=${#config_list[@]}
+  for k in $(seq 0 $((n - 1))); do
+    cfg=${config_list[$(((k + rep - 1) % n))]}
+    echo "[round $rep] $cfg: fresh fleet of $engines engines" >&2
+    start_fleet
+    start_router "$cfg" "$work/$cfg-$rep.router.log"
+    read -r hits0 queries0 < <(fleet_cache)
+    out="$work/aiperf-$cfg-$rep"
+    rm -rf "$out"
+    target/bench-venv/bin/aiperf profile --model tiny --tokenizer kvgate/tiny --endpoint-type chat --streaming \
+      --url "http://127.0.0.1:$router_port" --custom-dataset-type mooncake_trace --input-file "$work/slice.jsonl" \
+      --isl-block-size "$block" --fixed-schedule --extra-inputs ignore_eos:true --request-timeout-seconds 300 \
+      --no-server-metrics --no-gpu-telemetry --ui-type none --output-artifact-dir "$out" > "$work/aiperf-$cfg-$rep.log" 2>&1 \
+      || { echo "bench.sh: aiperf failed for $cfg; see $work/aiperf-$cfg-$rep.log" >&2; exit 1; }
+    read -r hits1 queries1 < <(fleet_cache)
+    python3 - "$out" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" >> "$results" <<'PY'
+import glob, json, sys
+out, cfg, rep, hits, queries = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+files = sorted(glob.glob(f"{out}/**/*aiperf*.json", recursive=True))
+data = json.load(open(files[0]))
+m = data.get("records", data)
+def get(name, stat):
+    v = m.get(name, {})
+    return v.get(stat) if isinstance(v, dict) else None
+print(json.dumps({
+    "config": cfg, "round": rep,
+    "ttft_ms": {p: get("time_to_first_token", p) for p in ("p50", "p90", "p99")},
+    "requests": get("request_count", "avg"), "errors": get("error_request_count", "avg") or 0,
+    "request_per_s": get("request_throughput", "avg"), "output_tok_per_s": get("output_token_throughput", "avg"),
+    "engine_hit_rate": hits / queries if queries else None, "prefill_tokens": queries - hits,
+}))
+PY
+    tail -n 1 "$results" >&2
+    stop_all
+  done
+done
+
+python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" <<'PY'
+import json, statistics, sys
+path, rows, engines, scale, kv, block = sys.argv[1:7]
+runs = [json.loads(l) for l in open(path)]
+order = []
+for r in runs:
+    if r["config"] not in order:
+        order.append(r["config"])
+print(f"aiperf replaying {rows} Mooncake conversation rows (timestamps / {scale}, hash id = {block} tokens) on {engines} "
+      f"real vLLM engines ({kv} KV tokens each), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
+print("| router | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | req/s | output tok/s | errors | engine prefix-cache hit rate |")
+print("|---|---|---|---|---|---|---|---|")
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else float("nan")
+for c in order:
+    rs = [r for r in runs if r["config"] == c]
+    t = lambda p: mean([r["ttft_ms"][p] for r in rs])
+    print(f"| {c} | {t('p50'):.0f} | {t('p90'):.0f} | {t('p99'):.0f} | {mean([r['request_per_s'] for r in rs]):.2f} | "
+          f"{mean([r['output_tok_per_s'] for r in rs]):.0f} | {sum(int(r['errors'] or 0) for r in rs)} | "
+          f"{mean([r['engine_hit_rate'] for r in rs]):.3f} |")
+print("\nEach run:\n")
+print("| router | round | TTFT p50 | p90 | p99 | req/s | errors | hit rate |")
+print("|---|---|---|---|---|---|---|---|")
+for r in runs:
+    t = r["ttft_ms"]
+    print(f"| {r['config']} | {r['round']} | {t['p50']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {r['request_per_s']:.2f} | "
+          f"{int(r['errors'] or 0)} | {r['engine_hit_rate']:.3f} |")
+PY

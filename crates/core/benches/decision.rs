@@ -58,6 +58,7 @@ fn setup(workers: usize) -> (Router, Vec<u32>) {
             active_decode_tokens: (i % 13) as u64 * 250,
             kv_usage: 0.3,
             observed_at: Timestamp::ZERO,
+            estimated: None,
         };
         router.update_load(id, load).unwrap();
     }

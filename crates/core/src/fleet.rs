@@ -150,7 +150,20 @@ impl WorkerState {
     /// The latest report plus the ledger's adjustment, clamped at zero.
     pub(crate) fn load(&self) -> WorkerLoad {
         let s = self.snapshot.unwrap_or_default();
-        let d = self.ledger.delta();
+        let mut d = self.ledger.delta();
+        if let Some(est) = s.estimated {
+            // The report counted this router's requests still in prefill as one request each, with
+            // an estimate; put back their real prefill work. The first of them sit in the queue
+            // (counted at the per-waiting estimate), the rest run (counted as decode).
+            let seen = self.ledger.seen_in_prefill();
+            let queued = seen.requests.min(s.waiting_requests);
+            let estimated_queued = match est.prompt_tokens_per_waiting {
+                Some(per) => queued.saturating_mul(per),
+                None => seen.tokens.saturating_mul(queued) / seen.requests.max(1),
+            };
+            d.waiting_tokens += seen.tokens as i64 - estimated_queued as i64;
+            d.decode_tokens -= (seen.requests - queued).saturating_mul(est.decode_tokens_per_running) as i64;
+        }
         let capacity = self.config.kv_capacity_tokens;
         let reported_kv = (s.kv_usage.clamp(0.0, 1.0) * capacity as f64).round() as u64;
         WorkerLoad {

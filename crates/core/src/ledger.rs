@@ -121,6 +121,13 @@ impl Tracked {
         }
     }
 
+    /// The prefill tokens of a request that is still in prefill and that the snapshot already saw,
+    /// for snapshots that count requests without measuring their prefill work.
+    fn seen_in_prefill(&self, snapshot_at: Option<Timestamp>) -> Option<u64> {
+        (self.phase_now() == Phase::Prefill && self.phase_seen_by(snapshot_at) == Phase::Prefill)
+            .then_some(self.work.prefill_tokens)
+    }
+
     fn term(&self, snapshot_at: Option<Timestamp>) -> LoadDelta {
         let mut d = self.contribution(self.phase_now());
         d.add(self.contribution(self.phase_seen_by(snapshot_at)), -1);
@@ -137,6 +144,24 @@ pub enum LedgerMiss {
     Finished,
 }
 
+/// Requests a snapshot saw while they were in prefill, and their prefill tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SeenInPrefill {
+    /// How many.
+    pub requests: u64,
+    /// Their prefill tokens (the prompt minus its cached prefix).
+    pub tokens: u64,
+}
+
+impl SeenInPrefill {
+    fn add(&mut self, tokens: Option<u64>, sign: i64) {
+        if let Some(t) = tokens {
+            self.requests = (self.requests as i64 + sign).max(0) as u64;
+            self.tokens = (self.tokens as i64 + sign * t as i64).max(0) as u64;
+        }
+    }
+}
+
 /// The ledger of one worker.
 #[derive(Debug, Default)]
 pub struct WorkerLedger {
@@ -145,12 +170,20 @@ pub struct WorkerLedger {
     snapshot_at: Option<Timestamp>,
     in_flight: u32,
     finished_retained: usize,
+    seen_in_prefill: SeenInPrefill,
 }
 
 impl WorkerLedger {
     /// The adjustment to apply to the worker's latest snapshot (or to zero load without one).
     pub fn delta(&self) -> LoadDelta {
         self.delta
+    }
+
+    /// This router's requests that the latest snapshot saw while they were in prefill and that are
+    /// still in prefill. An engine that reports only request counts (vLLM) cannot say how much of
+    /// their prefill is left, so the router keeps counting it itself (see `LoadSnapshot::estimated`).
+    pub fn seen_in_prefill(&self) -> SeenInPrefill {
+        self.seen_in_prefill
     }
 
     /// Requests reserved and not yet finished.
@@ -213,8 +246,10 @@ impl WorkerLedger {
         self.snapshot_at = Some(observed_at);
         self.forget_finished(|t| t.finished_at.is_some_and(|f| f < observed_at));
         self.delta = LoadDelta::default();
+        self.seen_in_prefill = SeenInPrefill::default();
         for t in self.requests.values() {
             self.delta.add(t.term(self.snapshot_at), 1);
+            self.seen_in_prefill.add(t.seen_in_prefill(self.snapshot_at), 1);
         }
         true
     }
@@ -246,11 +281,13 @@ impl WorkerLedger {
         if t.finished_at.is_some() {
             return Err(LedgerMiss::Finished);
         }
-        let before = t.term(self.snapshot_at);
+        let (before, seen_before) = (t.term(self.snapshot_at), t.seen_in_prefill(self.snapshot_at));
         f(t);
-        let after = t.term(self.snapshot_at);
+        let (after, seen_after) = (t.term(self.snapshot_at), t.seen_in_prefill(self.snapshot_at));
         self.delta.add(before, -1);
         self.delta.add(after, 1);
+        self.seen_in_prefill.add(seen_before, -1);
+        self.seen_in_prefill.add(seen_after, 1);
         Ok(())
     }
 }

@@ -75,7 +75,7 @@ pub use fleet::{WorkerConfig, WorkerStatus, DECODE_TOKENS_PER_S, KV_CAPACITY_TOK
 pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};
-pub use load::LoadSnapshot;
+pub use load::{CountEstimate, LoadSnapshot};
 pub use policy::{Mode, PolicyConfig, PolicyName, PolicyPatch};
 pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};
 pub use time::Timestamp;

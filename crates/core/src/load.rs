@@ -19,6 +19,22 @@ pub struct LoadSnapshot {
     pub kv_usage: f64,
     /// When the engine measured this (not when the router received it).
     pub observed_at: Timestamp,
+    /// Set when the token fields were estimated from request counts (vLLM reports only counts).
+    /// Such a report cannot show how much prefill a running request has left, so the router keeps
+    /// counting the prefill of its own requests until their first token instead of trusting the
+    /// estimate for them.
+    #[serde(default)]
+    pub estimated: Option<CountEstimate>,
+}
+
+/// How a load report's token fields were estimated from its request counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CountEstimate {
+    /// Queued prefill tokens counted per waiting request; `None` when the engine reported its
+    /// queued tokens (SGLang's `num_waiting_uncached_tokens`).
+    pub prompt_tokens_per_waiting: Option<u64>,
+    /// Decode tokens counted per running request.
+    pub decode_tokens_per_running: u64,
 }
 
 /// Smoothing weight of a new throughput observation. 0.2 halves an old estimate's weight in about

@@ -197,6 +197,45 @@ fn fresher_telemetry_absorbs_reservations_without_double_counting() {
 }
 
 #[test]
+fn a_count_only_report_keeps_the_prefill_of_requests_it_shows_as_running() {
+    let router = fleet(1, PolicyConfig::projected(Mode::Enforce));
+    let req = Req::new(&router, 1, &tokens("p", 3000), 100);
+    decide(&router, &req, Timestamp::from_millis(10));
+    // vLLM admits it at once and reports one running request; the gateway can only estimate its
+    // work from the count (here 32 decode tokens a running request).
+    let estimate = kvgate_core::CountEstimate { prompt_tokens_per_waiting: Some(1024), decode_tokens_per_running: 32 };
+    let running = LoadSnapshot {
+        running_requests: 1,
+        active_decode_tokens: 32,
+        observed_at: Timestamp::from_millis(20),
+        estimated: Some(estimate),
+        ..LoadSnapshot::default()
+    };
+    router.update_load(&wid(0), running).unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(20)).unwrap();
+    assert_eq!(status.waiting_tokens, 3000, "its prefill still lies ahead, whatever the count says");
+    assert_eq!(status.decode_tokens, 0, "and it is not decoding yet");
+    // Queued instead: the per-waiting estimate is replaced by its real prefill.
+    let queued = LoadSnapshot { waiting_requests: 1, waiting_tokens: 1024, ..running };
+    let queued = LoadSnapshot { running_requests: 0, active_decode_tokens: 0, ..queued };
+    router.update_load(&wid(0), LoadSnapshot { observed_at: Timestamp::from_millis(25), ..queued }).unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(25)).unwrap();
+    assert_eq!((status.waiting_requests, status.waiting_tokens), (1, 3000));
+    // After its first token the report's own estimate takes over again.
+    router.first_token(req.id, Timestamp::from_millis(30)).unwrap();
+    router.update_load(&wid(0), LoadSnapshot { observed_at: Timestamp::from_millis(40), ..running }).unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(40)).unwrap();
+    assert_eq!((status.waiting_tokens, status.decode_tokens), (0, 32));
+    // An exact report (the simulator's) is trusted as it is.
+    let req2 = Req::new(&router, 2, &tokens("q", 3000), 100);
+    decide(&router, &req2, Timestamp::from_millis(50));
+    let exact = LoadSnapshot { estimated: None, observed_at: Timestamp::from_millis(60), ..running };
+    router.update_load(&wid(0), exact).unwrap();
+    let status = router.worker_status(&wid(0), Timestamp::from_millis(60)).unwrap();
+    assert_eq!(status.waiting_tokens, 0, "an exact report that shows no prefill is believed");
+}
+
+#[test]
 fn preview_decides_without_reserving() {
     let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
     let req = Req::new(&router, 1, &tokens("p", 3000), 100);

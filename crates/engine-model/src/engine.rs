@@ -372,6 +372,7 @@ impl Engine {
             active_decode_tokens: decode,
             kv_usage: self.cache.used_blocks() as f64 / self.cache.capacity_blocks().max(1) as f64,
             observed_at: now,
+            estimated: None,
         }
     }
 

@@ -369,14 +369,21 @@ fn observe_identity(state: &AppState, engine: &EngineHandle, load: &EngineLoad) 
 /// The core's load snapshot from an engine's report; what the engine does not report is estimated
 /// from counts (see `assumed_prompt_tokens` and `assumed_decode_tokens`).
 pub fn to_snapshot(state: &AppState, load: &EngineLoad) -> LoadSnapshot {
+    let per_waiting = load.waiting_uncached_tokens.is_none().then_some(state.config.assumed_prompt_tokens);
+    let per_running = state.config.assumed_decode_tokens;
     LoadSnapshot {
         waiting_requests: load.waiting_requests,
         waiting_tokens: load
             .waiting_uncached_tokens
             .unwrap_or(load.waiting_requests.saturating_mul(state.config.assumed_prompt_tokens)),
         running_requests: load.running_requests,
-        active_decode_tokens: load.running_requests.saturating_mul(state.config.assumed_decode_tokens),
+        active_decode_tokens: load.running_requests.saturating_mul(per_running),
         kv_usage: load.kv_usage.unwrap_or(0.0),
         observed_at: state.clock.now(),
+        // Neither engine reports the prefill left in its running batch, nor per-request decode work.
+        estimated: Some(kvgate_core::CountEstimate {
+            prompt_tokens_per_waiting: per_waiting,
+            decode_tokens_per_running: per_running,
+        }),
     }
 }

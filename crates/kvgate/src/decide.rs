@@ -273,6 +273,7 @@ fn add_worker(router: &Router, w: &WorkerInput, d: &Defaults, block: usize, now:
             active_decode_tokens: load.active_decode_tokens,
             kv_usage: load.kv_usage,
             observed_at: now.saturating_sub(std::time::Duration::from_millis(load.age_ms)),
+            estimated: None,
         };
         router.update_load(&id, snapshot)?;
     }

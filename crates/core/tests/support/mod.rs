@@ -48,6 +48,7 @@ pub fn busy(waiting: u64, waiting_tokens: u64, running: u64, decode_tokens: u64)
         active_decode_tokens: decode_tokens,
         kv_usage: 0.3,
         observed_at: T0,
+        estimated: None,
     }
 }
 

@@ -39,10 +39,24 @@ pub struct ReplayOutcome<T> {
     pub history_lost: bool,
 }
 
+/// What a batch says about the process that sent it, beyond its sequence number. A restarted
+/// engine that publishes the same sequence number again (its first batch was seq 0 both times)
+/// reveals itself this way: its batch clears everything, or its timestamp is older than the one
+/// already seen at that sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BatchMark {
+    /// The batch carries `AllBlocksCleared`.
+    pub clears_all: bool,
+    /// The engine's timestamp on the batch, if it sent one.
+    pub timestamp: Option<f64>,
+}
+
 /// Sequence tracking for one publisher (one engine, one data-parallel rank).
 #[derive(Debug)]
 pub struct StreamTracker<T> {
     last_live: Option<u64>,
+    /// The mark of the last live batch, to tell a same-sequence restart from a duplicate.
+    last_mark: BatchMark,
     applied: Option<u64>,
     buffered: BTreeMap<u64, T>,
     replay_from: Option<u64>,
@@ -50,7 +64,13 @@ pub struct StreamTracker<T> {
 
 impl<T> Default for StreamTracker<T> {
     fn default() -> Self {
-        StreamTracker { last_live: None, applied: None, buffered: BTreeMap::new(), replay_from: None }
+        StreamTracker {
+            last_live: None,
+            last_mark: BatchMark::default(),
+            applied: None,
+            buffered: BTreeMap::new(),
+            replay_from: None,
+        }
     }
 }
 
@@ -74,16 +94,39 @@ impl<T> StreamTracker<T> {
         self.applied.map_or(0, |a| a + 1)
     }
 
-    /// Handles a batch from the live stream.
+    /// Handles a batch from the live stream, knowing nothing about it but its sequence number.
     pub fn on_live(&mut self, seq: u64, batch: T) -> LiveAction<T> {
-        if self.last_live.is_some_and(|last| seq < last) {
+        self.on_live_marked(seq, BatchMark::default(), batch)
+    }
+
+    /// Handles a batch from the live stream. Sequence numbers going backwards are a restart; so is
+    /// the last sequence number again with a batch that clears everything (when the one seen did
+    /// not) or that is older than the one seen.
+    pub fn on_live_marked(&mut self, seq: u64, mark: BatchMark, batch: T) -> LiveAction<T> {
+        let same_seq_restart = self.last_live == Some(seq)
+            && ((mark.clears_all && !self.last_mark.clears_all)
+                || matches!((mark.timestamp, self.last_mark.timestamp), (Some(new), Some(old)) if new < old));
+        if self.last_live.is_some_and(|last| seq < last) || same_seq_restart {
             *self = StreamTracker::default();
             self.last_live = Some(seq);
+            self.last_mark = mark;
             self.buffer(seq, batch);
             self.replay_from = Some(0);
             return LiveAction::Restart;
         }
         self.last_live = Some(seq);
+        self.last_mark = mark;
+        self.accept(seq, batch)
+    }
+
+    /// Handles a batch fetched from the replay socket to catch up while the live stream is quiet:
+    /// like a live batch, except that it says nothing about restarts and leaves the live stream's
+    /// position alone (live batches it overtook arrive later and are dropped as duplicates).
+    pub fn on_catch_up(&mut self, seq: u64, batch: T) -> LiveAction<T> {
+        self.accept(seq, batch)
+    }
+
+    fn accept(&mut self, seq: u64, batch: T) -> LiveAction<T> {
         let expected = self.next_expected();
         if seq < expected {
             return LiveAction::Duplicate;
@@ -181,6 +224,29 @@ mod tests {
         let mut t = StreamTracker::new();
         t.on_live(3, 3);
         assert_eq!(t.on_replay(vec![]), ReplayOutcome { apply: vec![3], history_lost: true });
+    }
+
+    #[test]
+    fn the_same_sequence_again_is_a_restart_when_it_clears_all_or_goes_back_in_time() {
+        let at = |ts: f64, clears_all: bool| BatchMark { clears_all, timestamp: Some(ts) };
+        let mut t = StreamTracker::new();
+        assert_eq!(t.on_live_marked(0, at(100.0, false), "old"), LiveAction::Apply(vec!["old"]));
+        assert_eq!(t.on_live_marked(0, at(100.0, false), "old"), LiveAction::Duplicate);
+        assert_eq!(t.on_live_marked(0, at(200.0, true), "new"), LiveAction::Restart);
+        assert_eq!(t.on_replay(vec![(0, "new")]).apply, vec!["new"]);
+        let mut t = StreamTracker::new();
+        t.on_live_marked(0, at(100.0, false), "old");
+        assert_eq!(t.on_live_marked(0, at(50.0, false), "new"), LiveAction::Restart, "an older timestamp");
+    }
+
+    #[test]
+    fn live_batches_overtaken_by_a_catch_up_are_duplicates_not_a_restart() {
+        let mut t = StreamTracker::new();
+        t.on_live(0, 0);
+        assert_eq!(t.on_catch_up(1, 1), LiveAction::Apply(vec![1]));
+        assert_eq!(t.on_catch_up(2, 2), LiveAction::Apply(vec![2]));
+        assert_eq!(t.on_live(1, 1), LiveAction::Duplicate);
+        assert_eq!(t.on_live(3, 3), LiveAction::Apply(vec![3]));
     }
 
     #[test]

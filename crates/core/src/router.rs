@@ -170,6 +170,12 @@ impl Router {
         Ok(())
     }
 
+    /// The largest KV capacity in tokens of any registered worker (`None` without workers): a
+    /// prompt longer than this cannot be served anywhere.
+    pub fn largest_kv_capacity(&self) -> Option<u64> {
+        self.fleet.lock().workers.iter().flatten().map(|w| w.config.kv_capacity_tokens).max()
+    }
+
     /// Folds an observed rate (`tokens` processed in `seconds`) into the worker's prefill or decode
     /// throughput estimate.
     pub fn observe_rate(&self, id: &WorkerId, kind: RateKind, tokens: f64, seconds: f64) -> Result<(), CoreError> {

@@ -409,13 +409,32 @@ impl Engine {
             aborted.push(r.id);
         }
         for r in std::mem::take(&mut self.running) {
-            for h in &r.hashes[..r.published_blocks.max(r.matched_blocks).min(r.hashes.len())] {
-                self.cache.release(*h);
-            }
-            self.cache.free_private(r.private_blocks);
             aborted.push(r.id);
+            self.release(r);
         }
         aborted
+    }
+
+    /// Aborts one request (its client went away), queued or running, between steps: its KV blocks
+    /// go back to the pool and what it stored stays cached. False if the engine does not have it.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        let Some(i) = self.running.iter().position(|r| r.id == id) else { return false };
+        // A planned step refers to running requests by position: plan again.
+        self.plan = None;
+        let r = self.running.remove(i);
+        self.release(r);
+        true
+    }
+
+    fn release(&mut self, r: Active) {
+        for h in &r.hashes[..r.published_blocks.max(r.matched_blocks).min(r.hashes.len())] {
+            self.cache.release(*h);
+        }
+        self.cache.free_private(r.private_blocks);
     }
 
     /// Kills the process and starts a new one: every request fails, the cache is empty and sequence

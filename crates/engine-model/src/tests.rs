@@ -182,3 +182,22 @@ fn aborting_keeps_the_cache_and_frees_every_block_in_use() {
     assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0, "nothing is in use");
     assert!(!e.has_work());
 }
+
+#[test]
+fn aborting_one_request_frees_its_blocks_and_leaves_the_others_running() {
+    let mut e = Engine::new(small_profile(100_000), 1);
+    e.submit(req(1, synthetic_tokens(1, 3000), 100));
+    e.submit(req(2, synthetic_tokens(2, 300), 100));
+    e.submit(req(3, synthetic_tokens(3, 300), 100));
+    e.begin_step();
+    e.end_step();
+    let before = e.load(Timestamp::ZERO).kv_usage;
+    assert!(e.abort(RequestId(1)), "running");
+    assert!(!e.abort(RequestId(1)), "already gone");
+    assert!(e.load(Timestamp::ZERO).kv_usage < before);
+    assert!(e.abort(RequestId(3)), "queued or running, it is there");
+    let (_, outs) = run(&mut e);
+    let finished: Vec<_> = outs.iter().flat_map(|o| o.finished.iter().map(|f| f.id)).collect();
+    assert_eq!(finished, vec![RequestId(2)]);
+    assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0);
+}

@@ -18,10 +18,22 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::config::{EngineKind, WorkerSpec};
+use crate::metrics::Metrics;
 use crate::state::AppState;
 
 /// Health checks between model-list refreshes.
 const MODELS_EVERY: u32 = 15;
+
+/// Passive health: what the engine's answers to real requests say (Envoy's outlier detection).
+#[derive(Debug, Default, Clone, Copy)]
+struct Outlier {
+    /// Upstream failures in a row.
+    consecutive: u32,
+    /// Ejections in a row (no success in between); each lengthens the next.
+    ejections: u32,
+    /// Out of rotation until then, whatever `/health` says.
+    ejected_until: Option<std::time::Instant>,
+}
 
 /// What an engine has said about itself in its load reports.
 #[derive(Debug, Default, Clone, Copy)]
@@ -57,6 +69,7 @@ pub struct EngineHandle {
     /// Why the engine's KV events can't be used at all (a block-size mismatch), if they can't.
     pub config_problem: Mutex<Option<String>>,
     identity: Mutex<Identity>,
+    outlier: Mutex<Outlier>,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
@@ -69,8 +82,12 @@ pub struct EngineView {
     pub url: String,
     /// Health checks pass.
     pub healthy: bool,
-    /// Consecutive failures.
+    /// Consecutive failed health checks.
     pub consecutive_failures: u32,
+    /// Consecutive failed requests (passive health).
+    pub consecutive_request_failures: u32,
+    /// Seconds left out of rotation after an ejection for failed requests, if ejected.
+    pub ejected_for_s: Option<f64>,
     /// The load endpoint in use.
     pub telemetry: Option<EngineKind>,
     /// The last load poll error.
@@ -107,6 +124,7 @@ impl EngineHandle {
             resync: tokio::sync::watch::Sender::new(0),
             config_problem: Mutex::new(None),
             identity: Mutex::new(Identity::default()),
+            outlier: Mutex::new(Outlier::default()),
             tasks: Mutex::new(Vec::new()),
         }
     }
@@ -130,11 +148,17 @@ impl EngineHandle {
     /// A snapshot for the admin API.
     pub fn view(&self, state: &AppState) -> EngineView {
         let identity = *self.identity.lock();
+        let outlier = *self.outlier.lock();
         EngineView {
             id: self.id.clone(),
-            url: self.base.clone(),
+            url: self.spec.display_url(),
             healthy: self.healthy.load(Ordering::Relaxed),
             consecutive_failures: self.failures.load(Ordering::Relaxed),
+            consecutive_request_failures: outlier.consecutive,
+            ejected_for_s: outlier.ejected_until.and_then(|u| {
+                let left = u.saturating_duration_since(state.clock.instant());
+                (!left.is_zero()).then_some(left.as_secs_f64())
+            }),
             telemetry: *self.telemetry.lock(),
             telemetry_error: self.telemetry_error.lock().clone(),
             models: self.models.lock().clone(),
@@ -179,10 +203,55 @@ pub fn start(state: &Arc<AppState>, engine: &Arc<EngineHandle>) {
     }
 }
 
-/// Takes an engine out of rotation after a failed connect; health checks bring it back.
-pub fn connect_failed(state: &AppState, engine: &EngineHandle) {
-    engine.failures.store(state.config.failures_to_open, Ordering::Relaxed);
+/// Counts a request that the engine failed (a server error, a timeout, a refused connect). After
+/// `outlier_failures` in a row the engine is ejected for `outlier_ejection` times the ejections in a
+/// row (at most 10), whatever its `/health` says, unless it is the last engine in rotation: an
+/// engine that answers 500 to everything must not look like the idlest one.
+pub fn request_failed(state: &AppState, engine: &EngineHandle) {
+    Metrics::engine_counter(&state.metrics.upstream_failures, engine.id.as_str()).inc();
+    let limits = state.config.limits;
+    let eject_for = {
+        let mut o = engine.outlier.lock();
+        o.consecutive += 1;
+        if o.consecutive < limits.outlier_failures || !engine.healthy.load(Ordering::Relaxed) {
+            return;
+        }
+        let others_in_rotation =
+            state.engines.read().values().any(|e| e.id != engine.id && e.healthy.load(Ordering::Relaxed));
+        if !others_in_rotation {
+            return;
+        }
+        o.consecutive = 0;
+        o.ejections = (o.ejections + 1).min(10);
+        let eject_for = limits.outlier_ejection * o.ejections;
+        o.ejected_until = Some(state.clock.instant() + eject_for);
+        eject_for
+    };
+    Metrics::engine_counter(&state.metrics.ejections, engine.id.as_str()).inc();
+    tracing::warn!(engine = %engine.id, failures = limits.outlier_failures, eject_s = eject_for.as_secs_f64(), "engine failed requests in a row: ejected");
     set_healthy(state, engine, false);
+}
+
+/// Counts a request the engine answered (any status but a server error).
+pub fn request_succeeded(engine: &EngineHandle) {
+    let mut o = engine.outlier.lock();
+    o.consecutive = 0;
+    if o.ejected_until.is_none() {
+        o.ejections = 0;
+    }
+}
+
+/// Whether an ejection still keeps the engine out (clearing it once it has run out).
+fn ejected(state: &AppState, engine: &EngineHandle) -> bool {
+    let mut o = engine.outlier.lock();
+    match o.ejected_until {
+        Some(until) if state.clock.instant() < until => true,
+        Some(_) => {
+            o.ejected_until = None;
+            false
+        }
+        None => false,
+    }
 }
 
 /// Drops the engine's KV view now and asks its subscribers to rebuild it from the replay socket.
@@ -208,6 +277,9 @@ fn set_healthy(state: &AppState, engine: &EngineHandle, healthy: bool) {
         }
     }
     let _ = state.router.set_eligible(&engine.id, healthy);
+    if healthy {
+        state.capacity.notify_waiters();
+    }
 }
 
 /// Runs `work` every `every` (the first time at once) until the gateway is gone.
@@ -254,7 +326,9 @@ async fn check_health(state: &AppState, engine: &EngineHandle, refresh_models: b
     );
     if ok {
         engine.failures.store(0, Ordering::Relaxed);
-        set_healthy(state, engine, true);
+        if !ejected(state, engine) {
+            set_healthy(state, engine, true);
+        }
         if refresh_models || engine.models.lock().is_empty() {
             refresh_model_list(state, engine, timeout).await;
         }

@@ -42,6 +42,17 @@ pub enum ApiError {
     /// The body is larger than allowed.
     #[error("the request body exceeds the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    /// The client took too long to send its body.
+    #[error("the request body did not arrive within {0:.0} s")]
+    BodyTimeout(f64),
+    /// The prompt holds more tokens than any engine's KV cache.
+    #[error("the prompt has {tokens} tokens; the largest engine holds {limit} tokens of KV cache")]
+    PromptTooLong {
+        /// Prompt tokens.
+        tokens: u64,
+        /// The largest engine's KV capacity in tokens.
+        limit: u64,
+    },
     /// Admission refused: every eligible engine's projected wait is over the bound.
     #[error("all engines are busy: the best projected wait is {wait_s:.1} s (limit {limit_s:.1} s); retry later")]
     Overloaded {
@@ -62,6 +73,9 @@ pub enum ApiError {
     /// An engine answered with a server error or broke the connection.
     #[error("the upstream engine failed")]
     UpstreamFailed,
+    /// The gateway ran out of its own resources (file descriptors, ports, buffered body bytes).
+    #[error("the gateway is short of {0}; retry later")]
+    LocalResources(String),
     /// A bug or an impossible state.
     #[error("internal error")]
     Internal,
@@ -81,9 +95,14 @@ impl ApiError {
             | ApiError::Unauthorized
             | ApiError::ModelNotFound(_)
             | ApiError::NotFound(_)
-            | ApiError::PayloadTooLarge(_) => Origin::Client,
+            | ApiError::PayloadTooLarge(_)
+            | ApiError::BodyTimeout(_)
+            | ApiError::PromptTooLong { .. } => Origin::Client,
             ApiError::UpstreamUnavailable | ApiError::UpstreamTimeout | ApiError::UpstreamFailed => Origin::Upstream,
-            ApiError::Overloaded { .. } | ApiError::NoEligibleWorker | ApiError::Internal => Origin::Gateway,
+            ApiError::Overloaded { .. }
+            | ApiError::NoEligibleWorker
+            | ApiError::LocalResources(_)
+            | ApiError::Internal => Origin::Gateway,
         }
     }
 
@@ -93,6 +112,7 @@ impl ApiError {
             self,
             ApiError::Overloaded { .. }
                 | ApiError::NoEligibleWorker
+                | ApiError::LocalResources(_)
                 | ApiError::UpstreamUnavailable
                 | ApiError::UpstreamTimeout
         )
@@ -105,8 +125,10 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NoEligibleWorker => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NoEligibleWorker | ApiError::LocalResources(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::UpstreamUnavailable | ApiError::UpstreamFailed => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -122,8 +144,11 @@ impl ApiError {
             ApiError::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", "payload_too_large"),
+            ApiError::BodyTimeout(_) => ("invalid_request_error", "body_timeout"),
+            ApiError::PromptTooLong { .. } => ("invalid_request_error", "context_length_exceeded"),
             ApiError::Overloaded { .. } => ("server_error", "overloaded"),
             ApiError::NoEligibleWorker => ("server_error", "no_engine_available"),
+            ApiError::LocalResources(_) => ("server_error", "gateway_out_of_resources"),
             ApiError::UpstreamUnavailable => ("server_error", "upstream_unavailable"),
             ApiError::UpstreamTimeout => ("server_error", "upstream_timeout"),
             ApiError::UpstreamFailed => ("server_error", "upstream_error"),

@@ -17,12 +17,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvgate_core::kv_stream::{LiveAction, StreamTracker};
+use kvgate_core::kv_stream::{BatchMark, LiveAction, StreamTracker};
 use kvgate_core::{KvState, WorkerId};
 use kvgate_protocol::kv_wire::{decode_live, decode_replay, replay_request, ReplayMessage};
-use kvgate_protocol::KvEvent;
+use kvgate_protocol::{KvEvent, KvEventBatch};
+use kvgate_zmtp::{Limits, SubSocket, ZmtpError};
 use serde::Serialize;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::engines::EngineHandle;
 use crate::state::AppState;
@@ -126,6 +126,14 @@ pub struct StreamConfig {
 
 type Batch = (u64, Vec<KvEvent>);
 
+/// What a batch says about the process that sent it (see [`BatchMark`]).
+fn mark(batch: &KvEventBatch) -> BatchMark {
+    BatchMark {
+        clears_all: batch.events.iter().any(|e| matches!(e, KvEvent::AllBlocksCleared)),
+        timestamp: Some(batch.ts),
+    }
+}
+
 struct Subscriber {
     state: std::sync::Weak<AppState>,
     engine: Arc<EngineHandle>,
@@ -133,18 +141,57 @@ struct Subscriber {
     stats: Arc<StreamStats>,
     tracker: StreamTracker<Batch>,
     resync: tokio::sync::watch::Receiver<u64>,
+    /// The stream failed since the view was last complete: events may have been missed.
+    lost: bool,
+    warnings: WarnLimiter,
+}
+
+/// At most one warning per [`WARN_EVERY`] for a recurring problem, saying how many were held back.
+#[derive(Debug, Default)]
+struct WarnLimiter {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+/// See [`WarnLimiter`].
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+impl WarnLimiter {
+    /// Whether to log now, and how many were held back since the last one logged.
+    fn allow(&mut self, now: std::time::Instant) -> Option<u64> {
+        if self.last.is_some_and(|l| now.duration_since(l) < WARN_EVERY) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
 }
 
 /// Runs one engine's subscriber until the task is aborted or the gateway is gone.
 pub async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>, cfg: StreamConfig) {
     let stats = engine.stream.clone();
     let resync = engine.resync.subscribe();
-    let mut sub = Subscriber { state, engine, cfg, stats, tracker: StreamTracker::new(), resync };
+    let mut sub = Subscriber {
+        state,
+        engine,
+        cfg,
+        stats,
+        tracker: StreamTracker::new(),
+        resync,
+        lost: false,
+        warnings: WarnLimiter::default(),
+    };
     let mut backoff = BACKOFF_MIN;
     loop {
         match sub.session().await {
             Ok(()) => return,
             Err(e) => {
+                sub.lost = true;
+                if let Some(state) = sub.state.upgrade() {
+                    let why = format!("KV event stream from {} down: {e}", sub.cfg.endpoint);
+                    let _ = state.router.set_kv_state(&sub.cfg.worker, KvState::Incomplete(why));
+                }
                 sub.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(engine = %sub.cfg.worker, endpoint = %sub.cfg.endpoint, error = %e, "KV event stream lost; reconnecting");
                 tokio::time::sleep(backoff).await;
@@ -158,21 +205,30 @@ impl Subscriber {
     /// One socket: subscribe (connecting, or binding for an engine that connects) and consume until
     /// the socket fails. `Ok` means stop for good.
     async fn session(&mut self) -> Result<(), String> {
-        let mut socket = zeromq::SubSocket::new();
-        if self.cfg.bind {
-            socket.bind(&self.cfg.endpoint).await.map_err(|e| format!("cannot bind {}: {e}", self.cfg.endpoint))?;
+        let topic = self.cfg.topic.as_bytes();
+        let mut socket = if self.cfg.bind {
+            SubSocket::bind(&self.cfg.endpoint, topic, Limits::default())
+                .await
+                .map_err(|e| format!("cannot bind {}: {e}", self.cfg.endpoint))?
         } else {
-            socket.connect(&self.cfg.endpoint).await.map_err(|e| e.to_string())?;
-        }
-        socket.subscribe(&self.cfg.topic).await.map_err(|e| e.to_string())?;
+            SubSocket::connect(&self.cfg.endpoint, topic, Limits::default()).await.map_err(|e| e.to_string())?
+        };
         let role = if self.cfg.bind { "listening for" } else { "subscribed to" };
         tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "{role} KV events");
-        // Catch up on what the engine published before this subscription (§8: replay from 0).
-        if self.cfg.replay.is_some() && self.tracker.applied().is_none() {
+        if self.cfg.bind {
             let Some(state) = self.state.upgrade() else { return Ok(()) };
-            self.catch_up(&state).await;
+            let _ = state.router.set_kv_state(
+                &self.cfg.worker,
+                KvState::Incomplete(format!("listening on {}; the engine has not connected yet", self.cfg.endpoint)),
+            );
         }
+        let mut connected = false;
         loop {
+            if !connected && socket.connected_peers() > 0 {
+                connected = true;
+                let Some(state) = self.state.upgrade() else { return Ok(()) };
+                self.on_connected(&state).await;
+            }
             let msg = tokio::select! {
                 changed = self.resync.changed() => {
                     if changed.is_err() {
@@ -185,7 +241,20 @@ impl Subscriber {
                 msg = tokio::time::timeout(IDLE_CATCH_UP, socket.recv()) => msg,
             };
             let msg = match msg {
-                Ok(msg) => msg.map_err(|e| e.to_string())?,
+                Ok(Ok(msg)) => msg,
+                // One publisher of a binding socket misbehaved; it is gone, the socket listens on.
+                Ok(Err(e)) if e.is_peer() => {
+                    let Some(state) = self.state.upgrade() else { return Ok(()) };
+                    self.peer_failed(&state, &e);
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    if e.is_protocol_violation() {
+                        let Some(state) = self.state.upgrade() else { return Ok(()) };
+                        self.peer_failed(&state, &e);
+                    }
+                    return Err(e.to_string());
+                }
                 Err(_) => {
                     let Some(state) = self.state.upgrade() else { return Ok(()) };
                     if self.cfg.replay.is_some() {
@@ -195,7 +264,33 @@ impl Subscriber {
                 }
             };
             let Some(state) = self.state.upgrade() else { return Ok(()) };
-            self.on_message(&state, msg.into_vec()).await;
+            self.on_message(&state, msg).await;
+        }
+    }
+
+    /// The stream is up: catch up on what the engine published before (§8: a replay from the next
+    /// sequence number), or, without a replay socket, forget what may have been missed while it was
+    /// down. Then the view is complete.
+    async fn on_connected(&mut self, state: &AppState) {
+        if self.cfg.replay.is_some() {
+            self.catch_up(state).await;
+        } else if self.lost {
+            let _ = state.router.clear_kv(&self.cfg.worker);
+        }
+        self.lost = false;
+        if self.tracker.awaiting_replay().is_none() {
+            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
+        }
+    }
+
+    /// Counts a publisher that broke the protocol (an oversized frame, a bad handshake). Whatever it
+    /// sent is dropped before it reaches the index; if the peer is the engine, the gap it leaves is
+    /// found by the sequence numbers and replayed.
+    fn peer_failed(&mut self, state: &AppState, e: &ZmtpError) {
+        self.stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+        self.count(state, |m| &m.kv_decode_errors, 1);
+        if let Some(held_back) = self.warnings.allow(state.clock.instant()) {
+            tracing::warn!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, error = %e, held_back, "KV event peer broke the protocol; disconnected it");
         }
     }
 
@@ -217,7 +312,9 @@ impl Subscriber {
             Err(e) => {
                 self.stats.decode_errors.fetch_add(1, Ordering::Relaxed);
                 self.count(state, |m| &m.kv_decode_errors, 1);
-                tracing::warn!(engine = %self.cfg.worker, error = %e, "undecodable KV event message");
+                if let Some(held_back) = self.warnings.allow(state.clock.instant()) {
+                    tracing::warn!(engine = %self.cfg.worker, error = %e, held_back, "undecodable KV event message");
+                }
                 let _ = state
                     .router
                     .set_kv_state(&self.cfg.worker, KvState::Invalid(format!("undecodable KV event message: {e}")));
@@ -229,7 +326,8 @@ impl Subscriber {
             self.count(state, |m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
             tracing::debug!(engine = %self.cfg.worker, skipped = ?msg.batch.skipped, "KV events skipped");
         }
-        let action = self.tracker.on_live(msg.seq, (msg.seq, msg.batch.batch.events));
+        let mark = mark(&msg.batch.batch);
+        let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
         self.act(state, action).await;
     }
 
@@ -295,8 +393,8 @@ impl Subscriber {
         if batches.is_empty() {
             return;
         }
-        for (seq, events) in batches {
-            let action = self.tracker.on_live(seq, (seq, events));
+        for (seq, batch) in batches {
+            let action = self.tracker.on_catch_up(seq, (seq, batch.events));
             let resolves_itself = matches!(action, LiveAction::Replay { .. } | LiveAction::Restart);
             self.act(state, action).await;
             if resolves_itself {
@@ -322,7 +420,8 @@ impl Subscriber {
             },
             None => Vec::new(),
         };
-        let outcome = self.tracker.on_replay(replayed.into_iter().map(|(seq, events)| (seq, (seq, events))).collect());
+        let outcome =
+            self.tracker.on_replay(replayed.into_iter().map(|(seq, batch)| (seq, (seq, batch.events))).collect());
         if outcome.history_lost {
             self.stats.history_lost.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %self.cfg.worker, from, "KV event history lost: continuing from a cleared, partial view");
@@ -336,18 +435,16 @@ impl Subscriber {
 }
 
 /// Asks a replay ROUTER for the batches from `from` on, until its end marker.
-async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Vec<KvEvent>)>, String> {
-    let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
+async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, KvEventBatch)>, String> {
+    let mut dealer = kvgate_zmtp::connect_dealer(endpoint, Limits::default()).await.map_err(|e| e.to_string())?;
     let [delimiter, seq] = replay_request(from);
-    let request = ZmqMessage::try_from(vec![Bytes::from(delimiter), Bytes::from(seq)]).map_err(|e| e.to_string())?;
-    dealer.send(request).await.map_err(|e| e.to_string())?;
+    dealer.send(&[&delimiter[..], &seq[..]]).await.map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     loop {
-        let frames = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+        let frames = dealer.recv().await.map_err(|e| e.to_string())?;
         match decode_replay(&frames).map_err(|e| e.to_string())? {
             ReplayMessage::End => return Ok(out),
-            ReplayMessage::Batch { seq, batch, .. } => out.push((seq, batch.batch.events)),
+            ReplayMessage::Batch { seq, batch, .. } => out.push((seq, batch.batch)),
         }
     }
 }

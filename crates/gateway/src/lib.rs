@@ -3,12 +3,14 @@
 //! Layout and flow:
 //!
 //! ```text
-//! client ─► api (auth, body limit, JSON, validation) ─► request::parse (render + tokenize)
-//!        ─► proxy::dispatch: core decide+reserve ─► admission ─► engine (retry a failed connect)
-//!        ◄─ streamed chunk by chunk; first byte moves the reservation to decode; end, error or
-//!           client disconnect releases it
-//! engines: one background task each (engines.rs): /health with a circuit breaker, load polling
-//!          (SGLang /v1/loads, Prometheus /metrics), model discovery
+//! server: accept under max_connections ─► hyper http1 with a header timeout ─► graceful drain
+//! client ─► api (auth, body limit and timeout, JSON, validation) ─► request::parse (render + tokenize)
+//!        ─► proxy: place (decide+reserve, admit, queue) ─► send (retry on another engine while the
+//!           client has seen nothing) ─► respond (streamed chunk by chunk with an idle timeout)
+//!        ◄─ first byte moves the reservation to decode; end, error or client disconnect releases it
+//! engines: two background tasks each (engines.rs): /health with a circuit breaker, load polling
+//!          (SGLang /v1/loads, Prometheus /metrics), model discovery; passive health from real
+//!          requests ejects engines that keep failing
 //! ```
 //!
 //! - [`config`]: TOML + overrides, validated. [`error`]: the one error-to-status mapping.
@@ -28,6 +30,7 @@ pub mod error;
 pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
+mod server;
 pub mod state;
 pub mod tokenize;
 
@@ -67,34 +70,9 @@ pub async fn serve(
     }
     engines::start_all(&state);
     let app = api::routes(state.clone());
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    let graceful = async move {
-        shutdown.await;
-        tracing::info!("shutting down: no new connections; draining in-flight requests");
-        let _ = signalled_tx.send(());
-    };
-    // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm and delayed ACKs add
-    // tens of milliseconds to the first token.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
-    let grace = state.config.shutdown_grace;
-    let deadline = async move {
-        if signalled_rx.await.is_ok() {
-            tokio::time::sleep(grace).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        r = server => r?,
-        _ = deadline => tracing::warn!(grace_s = grace.as_secs_f64(), "shutdown grace period over; dropping remaining streams"),
-    }
+    let served = server::run(listener, &state, app, shutdown).await;
     for e in state.engines.read().values() {
         e.stop();
     }
-    Ok(())
+    served
 }

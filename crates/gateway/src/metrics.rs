@@ -54,7 +54,7 @@ pub struct Metrics {
     pub in_flight: Family<EngineLabel, Gauge>,
     /// Projected seconds of each engine at its latest scoring.
     pub projected_seconds: Family<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    /// Retries of a failed connect on another engine.
+    /// Requests retried on another engine before any byte reached the client.
     pub retries: Counter,
     /// KV events applied, by engine.
     pub kv_events: Family<EngineLabel, Counter>,
@@ -66,6 +66,13 @@ pub struct Metrics {
     pub kv_restarts: Family<EngineLabel, Counter>,
     /// Undecodable KV event messages or events, by engine.
     pub kv_decode_errors: Family<EngineLabel, Counter>,
+    /// Upstream failures blamed on the engine (5xx, timeouts, refused connects), by engine.
+    pub upstream_failures: Family<EngineLabel, Counter>,
+    /// Engines taken out of rotation by passive health (consecutive upstream failures).
+    pub ejections: Family<EngineLabel, Counter>,
+    /// Upstream calls that failed for lack of local resources (file descriptors, ports), not blamed
+    /// on any engine.
+    pub local_resource_errors: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -109,7 +116,7 @@ impl Metrics {
         let retries = Counter::default();
         registry.register(
             "retries",
-            "Requests retried on another engine after a failed connect or a connection that broke before any response",
+            "Requests retried on another engine after a failure before any byte reached the client",
             retries.clone(),
         );
         let kv_events = Family::<EngineLabel, Counter>::default();
@@ -126,6 +133,20 @@ impl Metrics {
         );
         let kv_decode_errors = Family::<EngineLabel, Counter>::default();
         registry.register("kv_decode_errors", "Undecodable KV event messages or events", kv_decode_errors.clone());
+        let upstream_failures = Family::<EngineLabel, Counter>::default();
+        registry.register(
+            "upstream_failures",
+            "Upstream failures blamed on the engine: server errors, timeouts, refused connects",
+            upstream_failures.clone(),
+        );
+        let ejections = Family::<EngineLabel, Counter>::default();
+        registry.register("ejections", "Engines ejected after consecutive upstream failures", ejections.clone());
+        let local_resource_errors = Counter::default();
+        registry.register(
+            "local_resource_errors",
+            "Upstream calls that failed for lack of the gateway's own resources (file descriptors, ports)",
+            local_resource_errors.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -144,6 +165,9 @@ impl Metrics {
             kv_replays,
             kv_restarts,
             kv_decode_errors,
+            upstream_failures,
+            ejections,
+            local_resource_errors,
         }
     }
 

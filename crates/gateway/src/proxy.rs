@@ -1,66 +1,107 @@
-//! Dispatch: decide and reserve, admission, the upstream call with retry before any byte, and the
-//! response streamed back chunk by chunk while the reservation follows it.
+//! Dispatch, in three steps: **place** the request (decide and reserve, admit, or queue until
+//! capacity appears), **send** it (retrying on another engine while the client has seen nothing),
+//! and **respond** (the body streamed back chunk by chunk while the reservation follows it).
+//!
+//! Every request is counted once, when its [`Flight`] ends or, if it never got one, by
+//! [`dispatch`]. Engine failures (server errors, timeouts, refused connects, broken streams) feed
+//! passive health ([`engines::request_failed`]); the gateway's own shortages never do.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use kvgate_core::{DecideError, Decision, FallbackReason, Mode, Namespace, Reason, RequestId, RouteRequest, WorkerId};
+use kvgate_core::{
+    BlockKey, DecideError, Decision, FallbackReason, Mode, Namespace, Reason, RequestId, RouteRequest, WorkerId,
+};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::api::request::{Endpoint, Parsed};
-use crate::engines;
+use crate::engines::{self, EngineHandle};
 use crate::error::ApiError;
 use crate::metrics::EngineLabel;
 use crate::state::AppState;
 
-/// Pause between attempts while a request waits for capacity (bounded queueing).
-const QUEUE_POLL: std::time::Duration = std::time::Duration::from_millis(25);
+/// Longest a queued request sleeps before deciding again when nothing wakes it: load reports can
+/// make room without any release or health change.
+const QUEUE_RECHECK: Duration = Duration::from_millis(200);
+/// Most engines one request is tried on.
+const MAX_ATTEMPTS: usize = 3;
 
-/// A request's reservation and in-flight accounting, released when the response is done with: at the
-/// last byte, on an upstream error, or when the client goes away and the body is dropped.
+/// How a flight ended, for the request counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// The client went away before the response was complete (499, nginx's convention).
+    ClientGone,
+    /// The response ended with this status.
+    Status(u16),
+    /// Not counted here: the request goes on to another engine, or [`dispatch`] counts it.
+    Retried,
+}
+
+/// A request's reservation and in-flight accounting on one engine, released when the response is
+/// done with: at the last byte, on an upstream error, or when the client goes away and the body is
+/// dropped.
 struct Flight {
     state: Arc<AppState>,
     id: RequestId,
-    engine: WorkerId,
+    engine: Arc<EngineHandle>,
     started: Instant,
     first_byte: bool,
     gauge: Gauge,
-    /// Status to count when the flight ends (499 if the client went away first; 0: not counted).
-    outcome: u16,
+    outcome: Outcome,
 }
 
 impl Flight {
+    fn new(state: &Arc<AppState>, id: RequestId, engine: Arc<EngineHandle>) -> Flight {
+        let gauge = state.metrics.in_flight_of(engine.id.as_str());
+        gauge.inc();
+        Flight {
+            state: state.clone(),
+            id,
+            engine,
+            started: state.clock.instant(),
+            first_byte: false,
+            gauge,
+            outcome: Outcome::ClientGone,
+        }
+    }
+
+    fn label(&self) -> EngineLabel {
+        EngineLabel { engine: self.engine.id.to_string() }
+    }
+
     fn first_byte(&mut self) {
         if !self.first_byte {
             self.first_byte = true;
             let _ = self.state.router.first_token(self.id, self.state.clock.now());
-            self.state
-                .metrics
-                .upstream_ttft
-                .get_or_create(&EngineLabel { engine: self.engine.to_string() })
-                .observe(self.started.elapsed().as_secs_f64());
+            self.state.metrics.upstream_ttft.get_or_create(&self.label()).observe(self.started.elapsed().as_secs_f64());
         }
+    }
+
+    /// The engine failed this request: count it against the engine and end with `err`'s status.
+    fn engine_failed(&mut self, err: &ApiError) {
+        engines::request_failed(&self.state, &self.engine);
+        self.outcome = Outcome::Status(err.status().as_u16());
     }
 }
 
 impl Drop for Flight {
     fn drop(&mut self) {
         let _ = self.state.router.release(self.id, self.state.clock.now());
+        self.state.capacity.notify_one();
         self.gauge.dec();
-        self.state
-            .metrics
-            .upstream_duration
-            .get_or_create(&EngineLabel { engine: self.engine.to_string() })
-            .observe(self.started.elapsed().as_secs_f64());
-        if self.outcome != 0 {
-            self.state.metrics.request(self.outcome, Some(self.engine.as_str()));
-        }
+        self.state.metrics.upstream_duration.get_or_create(&self.label()).observe(self.started.elapsed().as_secs_f64());
+        let status = match self.outcome {
+            Outcome::ClientGone => 499,
+            Outcome::Status(s) => s,
+            Outcome::Retried => return,
+        };
+        self.state.metrics.request(status, Some(self.engine.id.as_str()));
     }
 }
 
@@ -104,27 +145,58 @@ fn chosen_wait_s(d: &Decision) -> f64 {
     d.scores.iter().find(|s| s.worker == d.worker).map_or(0.0, |s| s.wait_s + s.decode_s)
 }
 
-/// Routes and proxies one request.
-pub async fn dispatch(
-    state: Arc<AppState>,
+/// A place in the bounded queue, given back however the request ends (a client that goes away
+/// while queued included).
+struct QueueSlot<'a> {
+    state: &'a AppState,
+    held: bool,
+}
+
+impl QueueSlot<'_> {
+    /// Waits for capacity if bounded queueing allows; false when the request must be answered now.
+    async fn wait(&mut self, deadline: Instant) -> bool {
+        let now = self.state.clock.instant();
+        if self.state.config.queue_timeout.is_zero() || now >= deadline {
+            return false;
+        }
+        if !self.held {
+            if self.state.queued.fetch_add(1, Ordering::Relaxed) >= self.state.config.max_queued {
+                self.state.queued.fetch_sub(1, Ordering::Relaxed);
+                return false;
+            }
+            self.held = true;
+        }
+        let _ = tokio::time::timeout(QUEUE_RECHECK.min(deadline - now), self.state.capacity.notified()).await;
+        true
+    }
+}
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            self.state.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Decides, reserves and admits; queues while nothing can take the request and the queue allows.
+async fn place(
+    state: &Arc<AppState>,
     endpoint: Endpoint,
-    body: Bytes,
-    parsed: Parsed,
-) -> Result<Response, ApiError> {
-    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
-    let deadline = state.clock.instant() + state.config.queue_timeout;
-    let mut queued = false;
-    let attempts = state.engines.read().len().clamp(1, 3);
-    let mut attempt = 0;
-    let mut tried: Vec<WorkerId> = Vec::new();
-    let result = loop {
+    keys: &[BlockKey],
+    parsed: &Parsed,
+    tried: &[WorkerId],
+    queue: &mut QueueSlot<'_>,
+    deadline: Instant,
+) -> Result<Flight, ApiError> {
+    loop {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let route = RouteRequest {
             id,
-            keys: &keys,
+            keys,
             prompt_tokens: parsed.tokens.len() as u64,
             max_tokens: parsed.max_tokens,
-            exclude: &tried,
+            exclude: tried,
         };
         let started = state.clock.instant();
         let decided = {
@@ -134,100 +206,177 @@ pub async fn dispatch(
         let decision = match decided {
             Ok(d) => d,
             // Every engine left has already failed this request: say so, not "no engine".
-            Err(DecideError::NoEligibleWorker) if !tried.is_empty() => {
-                state.metrics.request(ApiError::UpstreamUnavailable.status().as_u16(), None);
-                break Err(ApiError::UpstreamUnavailable);
-            }
+            Err(DecideError::NoEligibleWorker) if !tried.is_empty() => return Err(ApiError::UpstreamUnavailable),
             Err(DecideError::NoEligibleWorker) => {
-                if wait_for_capacity(&state, deadline, &mut queued).await {
+                if queue.wait(deadline).await {
                     continue;
                 }
-                break Err(ApiError::NoEligibleWorker);
+                return Err(ApiError::NoEligibleWorker);
             }
-            Err(DecideError::DuplicateRequest(_)) => break Err(ApiError::Internal),
+            Err(DecideError::DuplicateRequest(_)) => return Err(ApiError::Internal),
         };
-        record(&state, endpoint, &decision, started);
+        record(state, endpoint, &decision, started);
         let limit = state.runtime.read().admission_wait_s;
         let wait = chosen_wait_s(&decision);
         if limit > 0.0 && wait > limit {
             let _ = state.router.release(id, state.clock.now());
-            if wait_for_capacity(&state, deadline, &mut queued).await {
+            if queue.wait(deadline).await {
                 continue;
             }
-            break Err(ApiError::Overloaded { wait_s: wait, limit_s: limit });
+            return Err(ApiError::Overloaded { wait_s: wait, limit_s: limit });
         }
         let Some(engine) = state.engine(&decision.worker) else {
             let _ = state.router.release(id, state.clock.now());
-            break Err(ApiError::Internal);
+            return Err(ApiError::Internal);
         };
-        let gauge = state.metrics.in_flight_of(engine.id.as_str());
-        gauge.inc();
-        let flight = Flight {
-            state: state.clone(),
-            id,
-            engine: engine.id.clone(),
-            started: state.clock.instant(),
-            first_byte: false,
-            gauge,
-            outcome: 502,
-        };
-        let url = format!("{}{}", engine.base, endpoint.path());
-        let send = state
-            .http
-            .post(&url)
-            .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", id.0.to_string())
-            .body(body.clone())
-            .send();
-        match tokio::time::timeout(state.config.request_timeout, send).await {
-            Err(_) => {
-                tracing::warn!(engine = %engine.id, request = id.0, "upstream timed out before responding");
-                let mut flight = flight;
-                flight.outcome = 504;
-                break Err(ApiError::UpstreamTimeout);
+        return Ok(Flight::new(state, id, engine));
+    }
+}
+
+/// What one attempt on one engine came to.
+enum Sent {
+    /// The engine answered (any status a client may see).
+    Answered(reqwest::Response),
+    /// Nothing reached the client; another engine may take the request.
+    Retry,
+    /// The request is answered with this error.
+    Failed(ApiError),
+}
+
+/// Whether an error is the gateway's own shortage (descriptors, ports, memory), which no engine
+/// should be blamed for.
+fn is_local_resource_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if matches!(io.kind(), std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::OutOfMemory) {
+                return true;
             }
-            // Nothing came back, so the client has seen nothing: another engine can take it. A
-            // failed connect takes the engine out; a connection that broke before any response (an
-            // engine closing a kept-alive connection under load) is retried without blame.
-            Ok(Err(e)) if !e.is_timeout() && attempt + 1 < attempts => {
-                let why = error_chain(&e);
-                if e.is_connect() {
-                    tracing::warn!(engine = %engine.id, request = id.0, error = %why, "connect failed; retrying on another engine");
-                    engines::connect_failed(&state, &engine);
-                } else {
-                    tracing::info!(engine = %engine.id, request = id.0, error = %why, "request failed before any response; retrying");
-                }
-                state.metrics.retries.inc();
-                attempt += 1;
-                tried.push(engine.id.clone());
-                let mut flight = flight;
-                flight.outcome = 0;
-                drop(flight);
-                continue;
+            // EMFILE and ENFILE (the same numbers on Linux and macOS), ENOBUFS (Linux).
+            if matches!(io.raw_os_error(), Some(23 | 24))
+                || (cfg!(target_os = "linux") && io.raw_os_error() == Some(105))
+            {
+                return true;
             }
-            Ok(Err(e)) => {
-                tracing::warn!(engine = %engine.id, request = id.0, error = %error_chain(&e), "upstream request failed");
-                if e.is_connect() {
-                    engines::connect_failed(&state, &engine);
-                }
-                let err = if e.is_timeout() { ApiError::UpstreamTimeout } else { ApiError::UpstreamUnavailable };
-                let mut flight = flight;
-                flight.outcome = err.status().as_u16();
-                break Err(err);
-            }
-            Ok(Ok(resp)) => break respond(resp, flight, parsed.stream).await,
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// A status an HTTP client can be given: engines' nonstandard codes (999) are not passed on.
+fn client_status(code: u16) -> Option<StatusCode> {
+    (100..600).contains(&code).then(|| StatusCode::from_u16(code).ok()).flatten()
+}
+
+/// One attempt: sends the body to the flight's engine and waits for its response headers.
+async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut Flight, last_attempt: bool) -> Sent {
+    let engine = flight.engine.clone();
+    let url = format!("{}{}", engine.base, endpoint.path());
+    let request = state
+        .http
+        .post(&url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", flight.id.0.to_string())
+        .body(body.clone())
+        .send();
+    let retry_or = |flight: &mut Flight, err: ApiError| {
+        if last_attempt {
+            flight.outcome = Outcome::Status(err.status().as_u16());
+            Sent::Failed(err)
+        } else {
+            state.metrics.retries.inc();
+            flight.outcome = Outcome::Retried;
+            Sent::Retry
         }
     };
-    if queued {
-        state.queued.fetch_sub(1, Ordering::Relaxed);
+    match tokio::time::timeout(state.config.request_timeout, request).await {
+        Err(_) => {
+            tracing::warn!(engine = %engine.id, request = flight.id.0, "upstream timed out before responding");
+            flight.engine_failed(&ApiError::UpstreamTimeout);
+            Sent::Failed(ApiError::UpstreamTimeout)
+        }
+        Ok(Err(e)) if is_local_resource_error(&e) => {
+            let why = error_chain(&e);
+            tracing::error!(engine = %engine.id, request = flight.id.0, error = %why, "out of local resources calling an engine; the engine is not blamed");
+            state.metrics.local_resource_errors.inc();
+            let err = ApiError::LocalResources("file descriptors or ports".into());
+            flight.outcome = Outcome::Status(err.status().as_u16());
+            Sent::Failed(err)
+        }
+        Ok(Err(e)) if e.is_timeout() => {
+            flight.engine_failed(&ApiError::UpstreamTimeout);
+            Sent::Failed(ApiError::UpstreamTimeout)
+        }
+        // Nothing came back, so the client has seen nothing: another engine can take it. A
+        // refused connect counts against the engine; a connection that broke before any response
+        // (an engine closing a kept-alive connection under load) is retried without blame.
+        Ok(Err(e)) => {
+            let why = error_chain(&e);
+            if e.is_connect() {
+                tracing::warn!(engine = %engine.id, request = flight.id.0, error = %why, "connect failed");
+                engines::request_failed(state, &engine);
+            } else {
+                tracing::info!(engine = %engine.id, request = flight.id.0, error = %why, "request failed before any response");
+            }
+            retry_or(flight, ApiError::UpstreamUnavailable)
+        }
+        Ok(Ok(resp)) => match client_status(resp.status().as_u16()) {
+            Some(status) if !status.is_server_error() => {
+                engines::request_succeeded(&engine);
+                Sent::Answered(resp)
+            }
+            _ => {
+                let status = resp.status().as_u16();
+                tracing::warn!(engine = %engine.id, request = flight.id.0, status, "upstream answered with a server error");
+                engines::request_failed(state, &engine);
+                retry_or(flight, ApiError::UpstreamFailed)
+            }
+        },
     }
-    // Upstream failures were counted with their engine when their flight ended.
-    if let Err(e) = &result {
-        if e.origin() != crate::error::Origin::Upstream {
-            state.metrics.request(e.status().as_u16(), None);
+}
+
+/// Routes and proxies one request.
+pub async fn dispatch(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    body: Bytes,
+    parsed: Parsed,
+) -> Result<Response, ApiError> {
+    let result = route(&state, endpoint, body, parsed).await;
+    // Requests that got a flight were counted with their engine when it ended.
+    if let Err((e, false)) = &result {
+        state.metrics.request(e.status().as_u16(), None);
+    }
+    result.map_err(|(e, _)| e)
+}
+
+/// The request's response, or its error and whether a flight already counted it.
+async fn route(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    body: Bytes,
+    parsed: Parsed,
+) -> Result<Response, (ApiError, bool)> {
+    let prompt_tokens = parsed.tokens.len() as u64;
+    if let Some(limit) = state.router.largest_kv_capacity().filter(|&l| prompt_tokens > l) {
+        return Err((ApiError::PromptTooLong { tokens: prompt_tokens, limit }, false));
+    }
+    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
+    let deadline = state.clock.instant() + state.config.queue_timeout;
+    let mut queue = QueueSlot { state, held: false };
+    let attempts = state.engines.read().len().clamp(1, MAX_ATTEMPTS);
+    let mut tried: Vec<WorkerId> = Vec::new();
+    loop {
+        let mut flight =
+            place(state, endpoint, &keys, &parsed, &tried, &mut queue, deadline).await.map_err(|e| (e, false))?;
+        let sent_at = state.clock.instant();
+        match send(state, endpoint, &body, &mut flight, tried.len() + 1 >= attempts).await {
+            Sent::Answered(resp) => return respond(resp, flight, parsed.stream, sent_at).await.map_err(|e| (e, true)),
+            Sent::Retry => tried.push(flight.engine.id.clone()),
+            Sent::Failed(e) => return Err((e, true)),
         }
     }
-    result
 }
 
 /// An error with its causes, `outer: inner: innermost` (reqwest's own text omits them).
@@ -242,80 +391,130 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-/// Waits a moment for capacity if bounded queueing allows; false when the request must be answered.
-async fn wait_for_capacity(state: &AppState, deadline: Instant, queued: &mut bool) -> bool {
-    if state.config.queue_timeout.is_zero() || state.clock.instant() + QUEUE_POLL > deadline {
-        return false;
-    }
-    if !*queued {
-        if state.queued.fetch_add(1, Ordering::Relaxed) >= state.config.max_queued {
-            state.queued.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        *queued = true;
-    }
-    tokio::time::sleep(QUEUE_POLL).await;
-    true
-}
-
-fn copy_content_type(from: &reqwest::header::HeaderMap, to: &mut Response) {
+/// The engine's headers a client should see: its content type and, on 429 or 503, when to retry.
+fn copy_headers(from: &reqwest::header::HeaderMap, to: &mut Response) {
     let ct = from.get(reqwest::header::CONTENT_TYPE).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
     to.headers_mut().insert(header::CONTENT_TYPE, ct.unwrap_or(HeaderValue::from_static("application/json")));
+    if let Some(v) = from.get(reqwest::header::RETRY_AFTER).and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+        to.headers_mut().insert(header::RETRY_AFTER, v);
+    }
 }
 
-async fn respond(resp: reqwest::Response, mut flight: Flight, stream: bool) -> Result<Response, ApiError> {
-    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    if status.is_server_error() {
-        tracing::warn!(engine = %flight.engine, request = flight.id.0, %status, "upstream answered with a server error");
-        return Err(ApiError::UpstreamFailed);
+/// What to write before an error event so that it stands alone: a stream cut mid-line or mid-event
+/// would otherwise glue the error onto the engine's partial output.
+fn event_separator(sent_tail: &[u8]) -> &'static str {
+    if sent_tail.is_empty() || sent_tail.ends_with(b"\n\n") {
+        ""
+    } else if sent_tail.ends_with(b"\n") {
+        "\n"
+    } else {
+        "\n\n"
     }
+}
+
+async fn respond(
+    resp: reqwest::Response,
+    mut flight: Flight,
+    stream: bool,
+    sent_at: Instant,
+) -> Result<Response, ApiError> {
+    let status = client_status(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let headers = resp.headers().clone();
     let request_id = HeaderValue::from_str(&flight.id.0.to_string()).ok();
+    let state = flight.state.clone();
     if !stream || !status.is_success() {
         // Client errors from the engine (its own validation) are passed through as they are.
-        let body = resp.bytes().await.map_err(|e| {
-            tracing::warn!(engine = %flight.engine, request = flight.id.0, error = %e, "upstream body failed");
-            ApiError::UpstreamFailed
-        })?;
+        let left = state.config.request_timeout.saturating_sub(sent_at.elapsed());
+        let body = match tokio::time::timeout(left, resp.bytes()).await {
+            Ok(Ok(body)) => body,
+            Ok(Err(e)) => {
+                tracing::warn!(engine = %flight.engine.id, request = flight.id.0, error = %e, "upstream body failed");
+                flight.engine_failed(&ApiError::UpstreamFailed);
+                return Err(ApiError::UpstreamFailed);
+            }
+            Err(_) => {
+                tracing::warn!(engine = %flight.engine.id, request = flight.id.0, "upstream body did not arrive within request_timeout_s");
+                flight.engine_failed(&ApiError::UpstreamTimeout);
+                return Err(ApiError::UpstreamTimeout);
+            }
+        };
         flight.first_byte();
-        flight.outcome = status.as_u16();
+        flight.outcome = Outcome::Status(status.as_u16());
         let mut out = Response::new(Body::from(body));
         *out.status_mut() = status;
-        copy_content_type(&headers, &mut out);
+        copy_headers(&headers, &mut out);
         if let Some(v) = request_id {
             out.headers_mut().insert("x-kvgate-request-id", v);
         }
         return Ok(out);
     }
-    flight.outcome = 499;
+    let idle = state.config.limits.stream_idle_timeout;
     let upstream = resp.bytes_stream();
-    let body = futures_util::stream::unfold((upstream, Some(flight)), |(mut upstream, mut flight)| async move {
+    // The state: the upstream, the flight while the stream lasts, and the last bytes sent.
+    let init = (upstream, Some(flight), Vec::<u8>::new());
+    let body = futures_util::stream::unfold(init, move |(mut upstream, mut flight, mut tail)| async move {
         let f = flight.as_mut()?;
-        match upstream.next().await {
-            Some(Ok(chunk)) => {
+        let failure = match tokio::time::timeout(idle, upstream.next()).await {
+            Ok(Some(Ok(chunk))) => {
                 f.first_byte();
-                Some((Ok::<Bytes, std::io::Error>(chunk), (upstream, flight)))
+                tail.clear();
+                tail.extend_from_slice(&chunk[chunk.len().saturating_sub(2)..]);
+                return Some((Ok::<Bytes, std::io::Error>(chunk), (upstream, flight, tail)));
             }
-            Some(Err(e)) => {
-                tracing::warn!(engine = %f.engine, request = f.id.0, error = %e, "upstream stream broke mid-response");
-                f.outcome = 502;
-                let event = format!("data: {}\n\n", ApiError::UpstreamFailed.body());
+            Ok(None) => {
+                f.outcome = Outcome::Status(200);
                 drop(flight.take());
-                Some((Ok(Bytes::from(event)), (upstream, None)))
+                return None;
             }
-            None => {
-                f.outcome = 200;
-                drop(flight.take());
-                None
+            Ok(Some(Err(e))) => {
+                tracing::warn!(engine = %f.engine.id, request = f.id.0, error = %e, "upstream stream broke mid-response");
+                ApiError::UpstreamFailed
             }
-        }
+            Err(_) => {
+                tracing::warn!(engine = %f.engine.id, request = f.id.0, idle_s = idle.as_secs_f64(), "upstream stream went silent; ending it");
+                ApiError::UpstreamTimeout
+            }
+        };
+        f.engine_failed(&failure);
+        drop(flight.take());
+        let event = format!("{}data: {}\n\n", event_separator(&tail), failure.body());
+        Some((Ok(Bytes::from(event)), (upstream, None, tail)))
     });
     let mut out = Response::new(Body::from_stream(body));
     *out.status_mut() = status;
-    copy_content_type(&headers, &mut out);
+    copy_headers(&headers, &mut out);
     out.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     if let Some(v) = request_id {
         out.headers_mut().insert("x-kvgate-request-id", v);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_event_never_continues_a_partial_line() {
+        assert_eq!(event_separator(b""), "");
+        assert_eq!(event_separator(b"}\n\n"), "");
+        assert_eq!(event_separator(b"}\n"), "\n");
+        assert_eq!(event_separator(b"{\"cho"), "\n\n");
+    }
+
+    #[test]
+    fn only_standard_statuses_reach_clients() {
+        assert_eq!(client_status(200), Some(StatusCode::OK));
+        assert_eq!(client_status(429), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(client_status(999), None);
+        assert_eq!(client_status(42), None);
+    }
+
+    #[test]
+    fn descriptor_exhaustion_is_local() {
+        let emfile = std::io::Error::from_raw_os_error(24);
+        assert!(is_local_resource_error(&emfile));
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(!is_local_resource_error(&refused));
+    }
 }

@@ -60,6 +60,11 @@ pub struct AppState {
     pub next_request: AtomicU64,
     /// Requests waiting for capacity (bounded queueing).
     pub queued: AtomicUsize,
+    /// Woken when capacity may have appeared (a request released its reservation, an engine came
+    /// back), so queued requests decide again at once.
+    pub capacity: tokio::sync::Notify,
+    /// Request body bytes that may be buffered at once, over all connections, in KiB.
+    pub body_budget: Arc<tokio::sync::Semaphore>,
     /// Tie-breaking randomness.
     pub rng: Mutex<ChaCha8Rng>,
     /// Models the engines serve (union).
@@ -99,6 +104,8 @@ impl AppState {
             decisions: Mutex::new(VecDeque::new()),
             next_request: AtomicU64::new(1),
             queued: AtomicUsize::new(0),
+            capacity: tokio::sync::Notify::new(),
+            body_budget: Arc::new(tokio::sync::Semaphore::new(config.limits.max_buffered_body_bytes.div_ceil(1024))),
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
             models: RwLock::new(BTreeSet::new()),
             config,
@@ -117,13 +124,14 @@ impl AppState {
         wc.prefill_tokens_per_s = spec.prefill_tokens_per_s.unwrap_or(wc.prefill_tokens_per_s);
         wc.decode_tokens_per_s = spec.decode_tokens_per_s.unwrap_or(wc.decode_tokens_per_s);
         wc.kv_capacity_tokens = spec.kv_capacity_tokens.unwrap_or(wc.kv_capacity_tokens);
-        // No event stream yet: the worker holds no blocks, so it earns no credit either way; a
-        // block-size mismatch is refused outright.
+        // No event stream yet: the worker holds no blocks, so it earns no credit either way, and
+        // says so until its stream is up; a block-size mismatch is refused outright.
         let state = match spec.block_size {
             Some(b) if b != self.config.block_size => KvState::Invalid(format!(
                 "engine block_size {b} differs from the gateway's block_size {}",
                 self.config.block_size
             )),
+            _ if spec.kv_events.is_some() => KvState::Incomplete("KV event stream not connected yet".into()),
             _ => KvState::Synced,
         };
         self.router.add_worker(wc, state).map_err(|e| match e {

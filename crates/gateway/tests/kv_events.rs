@@ -353,3 +353,97 @@ async fn the_engines_own_restart_vector_replays_through_real_sockets() {
     wait_until(&gw, "the rebuilt index", |s| blocks_held(s, "a") == 2).await;
     assert_eq!(cached_on(&gw, &tokens, "a").await, 32, "only the new process's two blocks remain");
 }
+
+/// Greets and shakes hands as a ZMTP 3.0 PUB, then announces a frame of `announced` bytes.
+async fn lie_about_a_frame(stream: &mut tokio::net::TcpStream, announced: u64) {
+    use tokio::io::AsyncWriteExt;
+    let mut bytes = kvgate_zmtp::peer_opening("PUB");
+    bytes.push(0x02);
+    bytes.extend_from_slice(&announced.to_be_bytes());
+    let _ = stream.write_all(&bytes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_event_peer_announcing_a_terabyte_frame_is_dropped_and_the_gateway_serves_on() {
+    // Whoever listens on a down engine's event port: every connection it accepts gets a 1 TB header.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                lie_about_a_frame(&mut s, 1 << 40).await;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            });
+        }
+    });
+    let engine = fake_engine().await;
+    let toml =
+        format!("[[workers]]\nid = \"a\"\nurl = \"{}\"\nkv_events = \"{endpoint}\"\nblock_size = 16\n", engine.url());
+    let gw = gateway(&base_toml(&[], &toml)).await;
+    // The gateway reconnects after each drop and is lied to again: it must survive every time.
+    wait_until(&gw, "two dropped connections", |s| {
+        s.engines.read().values().all(|e| e.stream.view().decode_errors >= 2)
+    })
+    .await;
+    assert_eq!(gw.post("/v1/chat/completions", &chat_body(false)).await.status(), 200);
+    let a = stream_view(&gw, "a").await;
+    assert!(a["kv_events"]["connect_failures"].as_u64().unwrap() >= 2, "{a}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binding_subscriber_drops_a_lying_publisher_and_hears_the_honest_one() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let engine = fake_engine().await;
+    let toml = format!(
+        "[[workers]]\nid = \"a\"\nurl = \"{}\"\nkv_events = \"tcp://127.0.0.1:{port}\"\nkv_events_bind = true\nblock_size = 16\n",
+        engine.url()
+    );
+    let gw = gateway(&base_toml(&[], &toml)).await;
+    let mut liar = loop {
+        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    lie_about_a_frame(&mut liar, 64 << 30).await;
+    wait_until(&gw, "the liar dropped", |s| s.engines.read().values().all(|e| e.stream.view().decode_errors == 1))
+        .await;
+    // An engine whose PUB connects, as vLLM's does with a tcp:// endpoint.
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.connect(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+    let text = system_prompt("honest");
+    let payload = batch(vec![stored(&prompt_tokens(&text), 1, None)]);
+    for _ in 0..250 {
+        let m = vec![Bytes::new(), Bytes::from(0u64.to_be_bytes().to_vec()), Bytes::from(payload.clone())];
+        publisher.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+        if blocks_held(&gw.state, "a") > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(blocks_held(&gw.state, "a") > 0, "the honest publisher's events were indexed");
+    assert!(cached_on(&gw, &chat(&text), "a").await > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_repeats_the_last_sequence_number_with_all_blocks_cleared_is_a_restart() {
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (old, new) = (system_prompt("before"), system_prompt("after"));
+    p.publish(0, batch(vec![stored(&prompt_tokens(&old), 10, None)]), false).await;
+    wait_until(&gw, "the old stream", |s| blocks_held(s, "a") > 0).await;
+    assert!(cached_on(&gw, &chat(&old), "a").await > 0);
+    // The new process publishes seq 0 again: it starts by clearing everything.
+    p.restart();
+    let cleared = map(vec![("type", Value::from("AllBlocksCleared"))]);
+    p.publish(0, batch(vec![cleared, stored(&prompt_tokens(&new), 500, None)]), false).await;
+    wait_until(&gw, "the restart", |s| s.engines.read().values().all(|e| e.stream.view().restarts == 1)).await;
+    wait_until(&gw, "the rebuild", |s| blocks_held(s, "a") > 0).await;
+    assert_eq!(cached_on(&gw, &chat(&old), "a").await, 0, "the cleared prefix earns no credit");
+    assert!(cached_on(&gw, &chat(&new), "a").await > 0);
+}

@@ -126,6 +126,22 @@ async fn shutdown_signal() {
     }
 }
 
+/// Every client stream holds two descriptors (client and engine); the default soft limit (often
+/// 1024) would run out long before `max_connections`. Raise it as far as the hard limit allows, and
+/// say so when that is still short.
+fn raise_fd_limit(max_connections: usize) {
+    let needed = (max_connections as u64).saturating_mul(2).saturating_add(256);
+    match rlimit::increase_nofile_limit(needed) {
+        Ok(limit) if limit < needed => tracing::warn!(
+            limit,
+            needed,
+            "the file descriptor limit is below 2 × max_connections: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower max_connections"
+        ),
+        Ok(limit) => tracing::debug!(limit, "file descriptor limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the file descriptor limit"),
+    }
+}
+
 /// Runs `kvgate serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     init_logging(a.log_format, &a.log)?;
@@ -152,6 +168,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         shutdown_grace_s: a.shutdown_grace_s,
     };
     let config = GatewayConfig::load(a.config.as_deref(), overrides)?;
+    raise_fd_limit(config.limits.max_connections);
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {

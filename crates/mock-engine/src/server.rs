@@ -124,6 +124,22 @@ fn usage(prompt: u64, cached: u64, output: u64) -> Value {
            "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
+/// Cancels its request in the engine when dropped before the request finished: the client went away
+/// (the handler or the response stream was dropped with it).
+struct CancelOnDrop {
+    id: RequestId,
+    commands: mpsc::UnboundedSender<Command>,
+    finished: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.commands.send(Command::Cancel(self.id));
+        }
+    }
+}
+
 async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Response {
     let Ok(v) = serde_json::from_slice::<Value>(&body) else { return bad("the body is not JSON") };
     let (tokens, max_tokens) = match read(kind, &v) {
@@ -146,6 +162,7 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
     if s.commands.send(Command::Submit(request, tx)).is_err() {
         return (StatusCode::SERVICE_UNAVAILABLE, "engine stopped").into_response();
     }
+    let mut guard = CancelOnDrop { id: RequestId(id), commands: s.commands.clone(), finished: false };
     let model = s.model.clone();
     let object_id = format!("{}-{id}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" });
     if !stream {
@@ -154,6 +171,7 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
             match rx.recv().await {
                 Some(TokenEvent::First | TokenEvent::Token) => generated += 1,
                 Some(TokenEvent::Done { prompt_tokens, cached_tokens, output_tokens }) => {
+                    guard.finished = true;
                     let text: String = (0..output_tokens).map(word).collect();
                     let body = match kind {
                         Kind::Chat => json!({"id": object_id, "object": "chat.completion", "model": model,
@@ -169,6 +187,7 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
                 }
                 Some(TokenEvent::Failed) | None => {
                     let _ = generated;
+                    guard.finished = true;
                     return (
                         StatusCode::INTERNAL_SERVER_ERROR,
                         Json(json!({"error": {"message": "the engine dropped the request"}})),
@@ -178,10 +197,11 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
             }
         }
     }
-    let sse = futures_util::stream::unfold((rx, 0u64, false), move |(mut rx, n, done)| {
+    // The guard travels with the stream: a client that disconnects drops it.
+    let sse = futures_util::stream::unfold((rx, 0u64, guard), move |(mut rx, n, mut guard)| {
         let (model, object_id) = (model.clone(), object_id.clone());
         async move {
-            if done {
+            if guard.finished {
                 return None;
             }
             let chunk = |delta: Value, finish: Value| match kind {
@@ -200,10 +220,10 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
                     if kind == Kind::Chat {
                         delta["role"] = json!("assistant");
                     }
-                    Some((Ok::<Bytes, std::io::Error>(event(chunk(delta, Value::Null))), (rx, 1, false)))
+                    Some((Ok::<Bytes, std::io::Error>(event(chunk(delta, Value::Null))), (rx, 1, guard)))
                 }
                 Some(TokenEvent::Token) => {
-                    Some((Ok(event(chunk(json!({"content": word(n)}), Value::Null))), (rx, n + 1, false)))
+                    Some((Ok(event(chunk(json!({"content": word(n)}), Value::Null))), (rx, n + 1, guard)))
                 }
                 Some(TokenEvent::Done { prompt_tokens, cached_tokens, output_tokens }) => {
                     let mut out = String::new();
@@ -214,10 +234,12 @@ async fn infer(State(s): State<ServerState>, kind: Kind, body: Bytes) -> Respons
                             "usage": usage(prompt_tokens, cached_tokens, output_tokens)});
                     }
                     out.push_str(&format!("data: {last}\n\ndata: [DONE]\n\n"));
-                    Some((Ok(Bytes::from(out)), (rx, n, true)))
+                    guard.finished = true;
+                    Some((Ok(Bytes::from(out)), (rx, n, guard)))
                 }
                 Some(TokenEvent::Failed) | None => {
-                    Some((Err(std::io::Error::other("the engine dropped the request")), (rx, n, true)))
+                    guard.finished = true;
+                    Some((Err(std::io::Error::other("the engine dropped the request")), (rx, n, guard)))
                 }
             }
         }

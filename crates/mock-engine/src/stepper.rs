@@ -40,6 +40,9 @@ pub enum Command {
     Restart,
     /// Freeze for a while (no steps).
     Stall(Duration),
+    /// The client went away: drop the request and free its KV blocks, as vLLM aborts a request
+    /// whose connection closed.
+    Cancel(RequestId),
 }
 
 /// State the HTTP side reads.
@@ -53,6 +56,8 @@ pub struct Shared {
     pub cached_tokens: AtomicU64,
     /// Deepest waiting queue seen.
     pub max_waiting: AtomicU64,
+    /// Requests aborted because their client went away.
+    pub cancelled: AtomicU64,
     /// Requests finished.
     pub finished: AtomicU64,
     /// When the current engine "process" started, in Unix seconds (`f64` bits): what vLLM reports as
@@ -105,6 +110,9 @@ pub async fn run(
                     Err(mpsc::error::TryRecvError::Disconnected) => return,
                 }
             } else {
+                // Idle until told otherwise: what it reports must say so (a cancel may have just
+                // emptied it).
+                publish_load(&engine, &shared, clock.now());
                 match commands.recv().await {
                     Some(c) => c,
                     None => return,
@@ -129,6 +137,7 @@ pub async fn run(
                     }
                 }
                 Command::Stall(d) => stalled_until = Some(clock.instant() + d),
+                Command::Cancel(id) => cancel(&mut engine, &mut listeners, &shared, id),
             }
         }
         // A stalled engine still queues what arrives (and reports it), but runs no step.
@@ -145,6 +154,7 @@ pub async fn run(
                         }
                         Some(Command::Stall(d)) => stalled_until = Some(clock.instant() + d),
                         Some(Command::Restart) => stalled_until = None,
+                        Some(Command::Cancel(id)) => cancel(&mut engine, &mut listeners, &shared, id),
                         None => return,
                     },
                 }
@@ -187,6 +197,18 @@ pub async fn run(
         shared.prompt_tokens.store(engine.prompt_tokens_total, Ordering::Relaxed);
         shared.cached_tokens.store(engine.cached_tokens_total, Ordering::Relaxed);
         publish_load(&engine, &shared, clock.now());
+    }
+}
+
+fn cancel(
+    engine: &mut Engine,
+    listeners: &mut HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>>,
+    shared: &Shared,
+    id: RequestId,
+) {
+    listeners.remove(&id);
+    if engine.abort(id) {
+        shared.cancelled.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -339,3 +339,29 @@ async fn two_gateway_replicas_in_front_of_one_fleet_keep_the_load_spread() {
     assert!(per_engine.len() >= 3, "both replicas spread the burst: {per_engine:?}");
     assert!(per_engine.values().all(|&n| n <= 24), "no engine took most of it: {per_engine:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_cancels_its_work_in_the_engine() {
+    use futures_util::StreamExt;
+    let engine = MockEngine::start(MockConfig::default()).await.unwrap();
+    let cancelled = || engine.shared.cancelled.load(std::sync::atomic::Ordering::Relaxed);
+    let long = json!({"model": "mock-model", "max_tokens": 4000, "messages": [{"role": "user", "content": long_prompt("gone")}]});
+    // Not streaming: the client gives up while the engine decodes.
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
+    assert!(impatient.post(format!("{}/v1/chat/completions", engine.url)).json(&long).send().await.is_err());
+    wait("the first cancel", || cancelled() == 1).await;
+    // Streaming: the client reads a token and hangs up.
+    let mut body = long.clone();
+    body["stream"] = json!(true);
+    let resp =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", engine.url)).json(&body).send().await.unwrap();
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    wait("the second cancel", || cancelled() == 2).await;
+    wait("an idle engine", || {
+        let l = *engine.shared.load.lock();
+        l.running_requests == 0 && l.waiting_requests == 0 && l.kv_usage == 0.0
+    })
+    .await;
+}

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvgate_core::kv_stream::{LiveAction, StreamTracker};
+use kvgate_core::kv_stream::{BatchMark, LiveAction, StreamTracker};
 use kvgate_core::{BlockHasher, BlockKey, KvState, Namespace, PolicyConfig, RequestId, Timestamp};
 use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, StepOutcome};
 use kvgate_protocol::KvEvent;
@@ -437,7 +437,11 @@ impl<'w> Simulation<'w> {
     }
 
     fn deliver(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
-        match self.hosts[w].tracker.on_live(batch.seq, batch.events) {
+        // The modelled engine sends no timestamps; a batch that clears everything still marks a
+        // restart that repeats a sequence number, as in the gateway.
+        let clears_all = batch.events.iter().any(|e| matches!(e, KvEvent::AllBlocksCleared));
+        let mark = BatchMark { clears_all, timestamp: None };
+        match self.hosts[w].tracker.on_live_marked(batch.seq, mark, batch.events) {
             LiveAction::Apply(batches) => self.apply_batches(w, batches, now),
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {

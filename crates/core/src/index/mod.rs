@@ -228,11 +228,13 @@ impl KvIndex {
         for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
             key = self.hasher.block_key(key, tokens);
             let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
-            if worker.key_refs.len() >= self.max_blocks_per_worker && !worker.key_refs.contains_key(&key) {
-                let reason = format!(
-                    "worker claims more than {} blocks; its stream is missing removals",
-                    self.max_blocks_per_worker
-                );
+            // Both maps are bounded: distinct contents, and engine hashes (the same content stored
+            // under ever new hashes grows only the second).
+            let cap = self.max_blocks_per_worker;
+            let too_many_keys = worker.key_refs.len() >= cap && !worker.key_refs.contains_key(&key);
+            let too_many_hashes = worker.engine_to_key.len() >= cap && !worker.engine_to_key.contains_key(hash);
+            if too_many_keys || too_many_hashes {
+                let reason = format!("worker claims more than {cap} blocks; its stream is missing removals");
                 self.clear_worker(slot);
                 self.set_state(slot, KvState::Invalid(reason));
                 stats.dropped += 1;

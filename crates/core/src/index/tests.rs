@@ -136,6 +136,20 @@ fn per_worker_block_cap_marks_a_runaway_stream_invalid() {
 }
 
 #[test]
+fn the_cap_also_bounds_engine_hashes_of_identical_content() {
+    let mut index = KvIndex::with_limit(BS, 8);
+    index.add_worker(W0, KvState::Synced);
+    // The same block content under ever new engine hashes: one key, many hashes.
+    for h in 0..8 {
+        index.apply(W0, &stored(&[h], None, (0..4).collect()), T0);
+    }
+    assert_eq!(index.state(W0).map(KvState::name), Some("synced"));
+    index.apply(W0, &stored(&[8], None, (0..4).collect()), T0);
+    assert_eq!(index.state(W0).map(KvState::name), Some("invalid"));
+    assert_eq!(index.distinct_blocks(), 0, "its blocks were cleared");
+}
+
+#[test]
 fn removing_a_worker_frees_its_blocks_and_its_slot_starts_empty() {
     let mut index = KvIndex::new(BS);
     index.add_worker(W0, KvState::Synced);

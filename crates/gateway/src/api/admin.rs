@@ -45,7 +45,7 @@ pub async fn add_worker(
         serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     let handle = state.add_engine(&spec).map_err(gateway_error)?;
     engines::start(&state, &handle);
-    tracing::info!(engine = %handle.id, url = %handle.base, "worker added");
+    tracing::info!(engine = %handle.id, url = %handle.spec.display_url(), "worker added");
     Ok((StatusCode::CREATED, Json(json!({ "worker": handle.view(&state) }))).into_response())
 }
 

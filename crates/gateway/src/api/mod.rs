@@ -80,10 +80,21 @@ pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), A
     }
 }
 
-/// Reads the body up to the configured limit (413 beyond it) and parses it as JSON.
+/// Reads the body up to the configured limit (413 beyond it) within `body_timeout_s` (408 beyond
+/// it), and parses it as JSON. While it arrives, its size (or the limit, when the client did not
+/// say) is held against `max_buffered_body_bytes`: slow clients with large unfinished bodies cannot
+/// add up to more than that (503 when the budget is spent).
 pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Value), ApiError> {
     let limit = state.config.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let announced = hyper::body::Body::size_hint(&body).exact().map_or(limit, |n| (n as usize).min(limit));
+    let kib = u32::try_from(announced.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let Ok(_budget) = state.body_budget.try_acquire_many(kib) else {
+        state.metrics.local_resource_errors.inc();
+        return Err(ApiError::LocalResources("request body buffer (max_buffered_body_bytes)".into()));
+    };
+    let timeout = state.config.limits.body_timeout;
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await;
+    let bytes = read.map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?.map_err(|e| {
         let too_large = std::error::Error::source(&e)
             .is_some_and(|s| s.downcast_ref::<http_body_util::LengthLimitError>().is_some())
             || e.to_string().contains("length limit");

@@ -10,8 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::GatewayError;
 
+mod limits;
 mod worker;
 
+pub use limits::*;
 pub use worker::{rank_endpoint, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
@@ -50,6 +52,11 @@ struct ServerTable {
     shutdown_grace_s: Option<f64>,
     block_size: Option<u32>,
     decision_log: Option<usize>,
+    header_timeout_ms: Option<u64>,
+    body_timeout_s: Option<f64>,
+    max_connections: Option<usize>,
+    max_buffered_body_bytes: Option<usize>,
+    stream_idle_timeout_s: Option<f64>,
 }
 
 /// The gateway's own keys in the `[policy]` table; the rest is a [`PolicyPatch`].
@@ -82,6 +89,8 @@ struct TelemetryTable {
     failures_to_open: Option<u32>,
     assumed_prompt_tokens: Option<u64>,
     assumed_decode_tokens: Option<u64>,
+    outlier_failures: Option<u32>,
+    outlier_ejection_s: Option<f64>,
 }
 
 /// The `[security]` table.
@@ -194,7 +203,7 @@ pub const REQUEST_TIMEOUT_S: Knob = Knob {
     min: 1.0,
     max: 86_400.0,
     default: 600.0,
-    meaning: "longest wait for an engine's response headers before 504",
+    meaning: "longest wait for an engine's response headers, and for the whole body of a response that does not stream, before 504",
 };
 /// See [`GatewayConfig::connect_timeout`].
 pub const CONNECT_TIMEOUT_MS: Knob = Knob {
@@ -316,6 +325,8 @@ pub struct GatewayConfig {
     pub assumed_prompt_tokens: u64,
     /// See [`ASSUMED_DECODE_TOKENS`].
     pub assumed_decode_tokens: u64,
+    /// Timeouts, caps and passive health.
+    pub limits: Limits,
 }
 
 impl Default for GatewayConfig {
@@ -399,6 +410,11 @@ impl GatewayConfig {
         if admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             return Err(GatewayError::Config("admin_key: an empty key is not allowed".into()));
         }
+        if admin_key.as_ref().is_some_and(|a| api_keys.contains(a)) {
+            return Err(GatewayError::Config(
+                "admin_key is also one of the api_keys: every client could administer the gateway; choose a distinct admin key".into(),
+            ));
+        }
         Ok(GatewayConfig {
             host: o.host.clone().or(s.host.clone()).unwrap_or_else(|| "127.0.0.1".into()),
             port: o.port.or(s.port).unwrap_or(8080),
@@ -444,6 +460,7 @@ impl GatewayConfig {
             decision_log: pick(DECISION_LOG, None, s.decision_log.map(|v| v as f64))? as usize,
             assumed_prompt_tokens: pick(ASSUMED_PROMPT_TOKENS, None, t.assumed_prompt_tokens.map(|v| v as f64))? as u64,
             assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, None, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
+            limits: Limits::build(s, t)?,
         })
     }
 }
@@ -460,7 +477,7 @@ pub fn check_distinct(workers: &[WorkerSpec]) -> Result<(), GatewayError> {
             return Err(GatewayError::Config(format!("two workers are named {:?}; give them distinct ids", w.id())));
         }
         if !urls.insert(w.url.trim_end_matches('/').to_owned()) {
-            return Err(GatewayError::Config(format!("two workers have the url {:?}", w.url)));
+            return Err(GatewayError::Config(format!("two workers have the url {:?}", w.display_url())));
         }
         if let Some(ep) = w.kv_events_endpoint() {
             for rank in 0..w.dp_size.unwrap_or(1) {
@@ -548,6 +565,13 @@ mod tests {
     }
 
     #[test]
+    fn an_admin_key_that_is_also_a_client_key_is_refused() {
+        let toml = "[security]\napi_keys = [\"k1\", \"k2\"]\nadmin_key = \"k2\"\n";
+        let err = GatewayConfig::from_toml(toml).unwrap_err().to_string();
+        assert!(err.contains("admin_key is also one of the api_keys"), "{err}");
+    }
+
+    #[test]
     fn dp_size_zero_is_refused() {
         let err = GatewayConfig::from_toml("[[workers]]\nurl = \"http://a:1\"\ndp_size = 0").unwrap_err().to_string();
         assert!(err.contains("dp_size"), "{err}");
@@ -570,12 +594,12 @@ mod tests {
 
 #[cfg(test)]
 mod doc_tests {
-    use super::KNOBS;
+    use super::{KNOBS, LIMIT_KNOBS};
 
     #[test]
     fn operations_doc_lists_every_gateway_knob_with_its_code_bounds() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
-        for k in KNOBS {
+        for k in KNOBS.iter().chain(LIMIT_KNOBS) {
             let row = format!("| `{}` |", k.name);
             let line = doc
                 .lines()

@@ -72,6 +72,28 @@ pub struct WorkerSpec {
     pub dp_size: Option<u16>,
 }
 
+/// `url` without its userinfo (`user:secret@`), which must never reach a label, a log line or a
+/// response.
+pub fn redact_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if !u.username().is_empty() || u.password().is_some() => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        // Unparseable (refused by validation anyway): cut the authority up to its last `@`.
+        Err(_) => {
+            let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+    }
+}
+
 /// `tcp://host:port` with the port moved up by `offset` (the endpoint of data-parallel rank `offset`).
 pub fn rank_endpoint(endpoint: &str, offset: u16) -> Option<String> {
     let (head, port) = endpoint.rsplit_once(':')?;
@@ -135,9 +157,15 @@ impl WorkerSpec {
     /// The worker's id: the configured one, or the URL without its scheme.
     pub fn id(&self) -> String {
         self.id.clone().unwrap_or_else(|| {
-            let u = self.url.trim_end_matches('/');
+            let u = redact_url(&self.url);
+            let u = u.trim_end_matches('/');
             u.split_once("://").map_or(u, |(_, rest)| rest).to_owned()
         })
+    }
+
+    /// The URL as logs and the admin API show it: any `user:password@` removed.
+    pub fn display_url(&self) -> String {
+        redact_url(&self.url)
     }
 
     /// The host of the worker's URL.
@@ -253,6 +281,15 @@ impl WorkerSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_a_worker_url_never_reach_its_name_or_display() {
+        let w = WorkerSpec::parse_compact("http://user:s3cret@10.0.0.7:8000/").unwrap();
+        assert_eq!(w.id(), "10.0.0.7:8000");
+        assert_eq!(w.display_url(), "http://10.0.0.7:8000/");
+        assert_eq!(redact_url("http://10.0.0.7:8000"), "http://10.0.0.7:8000");
+        assert_eq!(redact_url("http://u:p@c@host:99999/x"), "http://host:99999/x");
+    }
 
     #[test]
     fn data_parallel_ranks_publish_on_consecutive_ports() {

@@ -50,6 +50,14 @@ pub struct Behavior {
     pub models: Vec<String>,
     /// The SSE text streamed for chat.
     pub chat_stream: String,
+    /// Answer every inference request with this status (and a JSON error body) instead.
+    pub status: Option<u16>,
+    /// A `Retry-After` header on such answers.
+    pub retry_after: Option<String>,
+    /// Send the response headers (and, streaming, the first event), then nothing, for ever.
+    pub stall_after_headers: bool,
+    /// Delay before a non-streaming answer.
+    pub response_delay: Duration,
 }
 
 impl Default for Behavior {
@@ -62,6 +70,10 @@ impl Default for Behavior {
             reports_load: true,
             models: vec!["test-model".into()],
             chat_stream: recorded_stream("chat_completions_chat-completion.streaming.1"),
+            status: None,
+            retry_after: None,
+            stall_after_headers: false,
+            response_delay: Duration::ZERO,
         }
     }
 }
@@ -90,11 +102,14 @@ impl FakeEngine {
 }
 
 fn stream_events(b: &Behavior, text: String) -> Response {
-    let (delay, fail_after) = (b.chunk_delay, b.fail_after);
+    let (delay, fail_after, stall) = (b.chunk_delay, b.fail_after, b.stall_after_headers);
     let events = events(&text);
     let stream = futures_util::stream::unfold(0usize, move |i| {
         let events = events.clone();
         async move {
+            if stall && i == 1 {
+                std::future::pending::<()>().await;
+            }
             if fail_after == Some(i) {
                 // Give the events already written time to reach the gateway before the reset.
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -115,6 +130,19 @@ async fn inference(engine: FakeEngine, path: &str, body: Bytes) -> Response {
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let b = engine.behavior.lock().clone();
     let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if let Some(code) = b.status {
+        let mut r =
+            Response::builder().status(StatusCode::from_u16(code).unwrap()).header("content-type", "application/json");
+        if let Some(after) = &b.retry_after {
+            r = r.header("retry-after", after.as_str());
+        }
+        return r.body(Body::from(format!("{{\"error\": {{\"message\": \"engine says {code}\"}}}}"))).unwrap();
+    }
+    if b.stall_after_headers && !stream {
+        let body = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
+        return Response::builder().header("content-type", "application/json").body(Body::from_stream(body)).unwrap();
+    }
+    tokio::time::sleep(b.response_delay).await;
     match (path, stream) {
         ("/v1/chat/completions", true) => stream_events(&b, b.chat_stream.clone()),
         ("/v1/completions", true) => stream_events(&b, recorded_stream("completions_completion.streaming.1")),

@@ -17,6 +17,7 @@ use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoa
 use parking_lot::Mutex;
 use serde::Serialize;
 
+use crate::api::request::Endpoint;
 use crate::config::{EngineKind, WorkerSpec};
 use crate::metrics::Metrics;
 use crate::state::AppState;
@@ -68,8 +69,12 @@ pub struct EngineHandle {
     pub resync: tokio::sync::watch::Sender<u64>,
     /// Why the engine's KV events can't be used at all (a block-size mismatch), if they can't.
     pub config_problem: Mutex<Option<String>>,
+    /// Its metric series.
+    pub metrics: crate::metrics::EngineMetrics,
     identity: Mutex<Identity>,
     outlier: Mutex<Outlier>,
+    /// The engine's URL of each inference route, parsed once.
+    routes: Vec<(Endpoint, reqwest::Url)>,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
@@ -110,10 +115,17 @@ pub struct EngineView {
 
 impl EngineHandle {
     /// A handle for a freshly registered engine (healthy until proven otherwise).
-    pub fn new(id: WorkerId, spec: WorkerSpec) -> Self {
+    pub fn new(id: WorkerId, spec: WorkerSpec, metrics: crate::metrics::EngineMetrics) -> Self {
+        let base = spec.url.trim_end_matches('/').to_owned();
+        let routes = Endpoint::ALL
+            .iter()
+            .filter_map(|e| reqwest::Url::parse(&format!("{base}{}", e.path())).ok().map(|u| (*e, u)))
+            .collect();
         EngineHandle {
             id,
-            base: spec.url.trim_end_matches('/').to_owned(),
+            base,
+            metrics,
+            routes,
             spec,
             failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
@@ -127,6 +139,12 @@ impl EngineHandle {
             outlier: Mutex::new(Outlier::default()),
             tasks: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The engine's URL for an inference route (`None` only if the worker URL cannot be joined
+    /// with the route's path, which validation rules out).
+    pub fn route_url(&self, endpoint: Endpoint) -> Option<reqwest::Url> {
+        self.routes.iter().find(|(e, _)| *e == endpoint).map(|(_, u)| u.clone())
     }
 
     /// Stops the engine's background tasks.
@@ -320,10 +338,15 @@ async fn load_loop(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>) 
 
 async fn check_health(state: &AppState, engine: &EngineHandle, refresh_models: bool) {
     let timeout = state.config.health_interval.min(Duration::from_secs(5));
-    let ok = matches!(
-        state.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await,
-        Ok(r) if r.status().is_success()
-    );
+    let ok = match state.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
+        Ok(r) => r.status().is_success(),
+        // The gateway is out of descriptors or ports: that says nothing about the engine.
+        Err(e) if crate::error::is_local_resource_error(&e) => {
+            state.metrics.local_resource_errors.inc();
+            return;
+        }
+        Err(_) => false,
+    };
     if ok {
         engine.failures.store(0, Ordering::Relaxed);
         if !ejected(state, engine) {

@@ -186,6 +186,27 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Whether an error is the gateway's own shortage (descriptors, ports, memory), which no engine
+/// should be blamed for.
+pub fn is_local_resource_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if matches!(io.kind(), std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::OutOfMemory) {
+                return true;
+            }
+            // EMFILE and ENFILE (the same numbers on Linux and macOS), ENOBUFS (Linux).
+            if matches!(io.raw_os_error(), Some(23 | 24))
+                || (cfg!(target_os = "linux") && io.raw_os_error() == Some(105))
+            {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

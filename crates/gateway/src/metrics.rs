@@ -196,6 +196,37 @@ impl Metrics {
     }
 }
 
+/// One engine's metric handles, looked up once at registration so the request path allocates no
+/// labels.
+#[derive(Debug, Clone)]
+pub struct EngineMetrics {
+    /// `kvgate_in_flight{engine}`.
+    pub in_flight: Gauge,
+    /// `kvgate_upstream_ttft_seconds{engine}`.
+    pub ttft: Histogram,
+    /// `kvgate_upstream_duration_seconds{engine}`.
+    pub duration: Histogram,
+    /// `kvgate_projected_seconds{engine}`.
+    pub projected: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// `kvgate_requests_total{status="200",engine}`, the common case.
+    pub ok: Counter,
+}
+
+impl Metrics {
+    /// The handles of one engine's series.
+    pub fn for_engine(&self, engine: &str) -> EngineMetrics {
+        let label = EngineLabel { engine: engine.to_owned() };
+        let ok = RequestLabels { status: "200".into(), engine: engine.to_owned() };
+        EngineMetrics {
+            in_flight: self.in_flight.get_or_create(&label).clone(),
+            ttft: self.upstream_ttft.get_or_create(&label).clone(),
+            duration: self.upstream_duration.get_or_create(&label).clone(),
+            projected: self.projected_seconds.get_or_create(&label).clone(),
+            ok: self.requests.get_or_create(&ok).clone(),
+        }
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()

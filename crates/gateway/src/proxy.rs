@@ -18,12 +18,10 @@ use futures_util::StreamExt;
 use kvgate_core::{
     BlockKey, DecideError, Decision, FallbackReason, Mode, Namespace, Reason, RequestId, RouteRequest, WorkerId,
 };
-use prometheus_client::metrics::gauge::Gauge;
 
 use crate::api::request::{Endpoint, Parsed};
 use crate::engines::{self, EngineHandle};
 use crate::error::ApiError;
-use crate::metrics::EngineLabel;
 use crate::state::AppState;
 
 /// Longest a queued request sleeps before deciding again when nothing wakes it: load reports can
@@ -52,34 +50,27 @@ struct Flight {
     engine: Arc<EngineHandle>,
     started: Instant,
     first_byte: bool,
-    gauge: Gauge,
     outcome: Outcome,
 }
 
 impl Flight {
     fn new(state: &Arc<AppState>, id: RequestId, engine: Arc<EngineHandle>) -> Flight {
-        let gauge = state.metrics.in_flight_of(engine.id.as_str());
-        gauge.inc();
+        engine.metrics.in_flight.inc();
         Flight {
             state: state.clone(),
             id,
             engine,
             started: state.clock.instant(),
             first_byte: false,
-            gauge,
             outcome: Outcome::ClientGone,
         }
-    }
-
-    fn label(&self) -> EngineLabel {
-        EngineLabel { engine: self.engine.id.to_string() }
     }
 
     fn first_byte(&mut self) {
         if !self.first_byte {
             self.first_byte = true;
             let _ = self.state.router.first_token(self.id, self.state.clock.now());
-            self.state.metrics.upstream_ttft.get_or_create(&self.label()).observe(self.started.elapsed().as_secs_f64());
+            self.engine.metrics.ttft.observe(self.started.elapsed().as_secs_f64());
         }
     }
 
@@ -94,19 +85,22 @@ impl Drop for Flight {
     fn drop(&mut self) {
         let _ = self.state.router.release(self.id, self.state.clock.now());
         self.state.capacity.notify_one();
-        self.gauge.dec();
-        self.state.metrics.upstream_duration.get_or_create(&self.label()).observe(self.started.elapsed().as_secs_f64());
-        let status = match self.outcome {
-            Outcome::ClientGone => 499,
-            Outcome::Status(s) => s,
-            Outcome::Retried => return,
-        };
-        self.state.metrics.request(status, Some(self.engine.id.as_str()));
+        let m = &self.engine.metrics;
+        m.in_flight.dec();
+        m.duration.observe(self.started.elapsed().as_secs_f64());
+        match self.outcome {
+            Outcome::Status(200) => {
+                m.ok.inc();
+            }
+            Outcome::Status(s) => self.state.metrics.request(s, Some(self.engine.id.as_str())),
+            Outcome::ClientGone => self.state.metrics.request(499, Some(self.engine.id.as_str())),
+            Outcome::Retried => {}
+        }
     }
 }
 
-/// Counts a decision in the metrics and the decision log.
-fn record(state: &AppState, endpoint: Endpoint, d: &Decision, started: Instant) {
+/// Counts a decision in the metrics and moves it into the decision log.
+fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
     let m = &state.metrics;
     m.decision_latency.observe(started.elapsed().as_secs_f64());
     m.decisions.get_or_create(&crate::metrics::ReasonLabel { reason: d.reason.as_str().to_owned() }).inc();
@@ -125,10 +119,15 @@ fn record(state: &AppState, endpoint: Endpoint, d: &Decision, started: Instant) 
             _ => {}
         }
     }
-    for s in &d.scores {
-        m.projected_seconds.get_or_create(&EngineLabel { engine: s.worker.to_string() }).set(s.projected_s);
+    {
+        let engines = state.engines.read();
+        for s in &d.scores {
+            if let Some(e) = engines.get(&s.worker) {
+                e.metrics.projected.set(s.projected_s);
+            }
+        }
     }
-    state.log_decision(endpoint_name(endpoint), d.clone());
+    state.log_decision(endpoint_name(endpoint), d);
 }
 
 fn fallback_label(r: FallbackReason) -> String {
@@ -215,9 +214,10 @@ async fn place(
             }
             Err(DecideError::DuplicateRequest(_)) => return Err(ApiError::Internal),
         };
-        record(state, endpoint, &decision, started);
-        let limit = state.runtime.read().admission_wait_s;
         let wait = chosen_wait_s(&decision);
+        let worker = decision.worker.clone();
+        record(state, endpoint, decision, started);
+        let limit = state.runtime.read().admission_wait_s;
         if limit > 0.0 && wait > limit {
             let _ = state.router.release(id, state.clock.now());
             if queue.wait(deadline).await {
@@ -225,7 +225,7 @@ async fn place(
             }
             return Err(ApiError::Overloaded { wait_s: wait, limit_s: limit });
         }
-        let Some(engine) = state.engine(&decision.worker) else {
+        let Some(engine) = state.engine(&worker) else {
             let _ = state.router.release(id, state.clock.now());
             return Err(ApiError::Internal);
         };
@@ -243,27 +243,6 @@ enum Sent {
     Failed(ApiError),
 }
 
-/// Whether an error is the gateway's own shortage (descriptors, ports, memory), which no engine
-/// should be blamed for.
-fn is_local_resource_error(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(s) = source {
-        if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            if matches!(io.kind(), std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::OutOfMemory) {
-                return true;
-            }
-            // EMFILE and ENFILE (the same numbers on Linux and macOS), ENOBUFS (Linux).
-            if matches!(io.raw_os_error(), Some(23 | 24))
-                || (cfg!(target_os = "linux") && io.raw_os_error() == Some(105))
-            {
-                return true;
-            }
-        }
-        source = s.source();
-    }
-    false
-}
-
 /// A status an HTTP client can be given: engines' nonstandard codes (999) are not passed on.
 fn client_status(code: u16) -> Option<StatusCode> {
     (100..600).contains(&code).then(|| StatusCode::from_u16(code).ok()).flatten()
@@ -272,10 +251,13 @@ fn client_status(code: u16) -> Option<StatusCode> {
 /// One attempt: sends the body to the flight's engine and waits for its response headers.
 async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut Flight, last_attempt: bool) -> Sent {
     let engine = flight.engine.clone();
-    let url = format!("{}{}", engine.base, endpoint.path());
+    let Some(url) = engine.route_url(endpoint) else {
+        flight.outcome = Outcome::Status(ApiError::Internal.status().as_u16());
+        return Sent::Failed(ApiError::Internal);
+    };
     let request = state
         .http
-        .post(&url)
+        .post(url)
         .header(header::CONTENT_TYPE, "application/json")
         .header("x-request-id", flight.id.0.to_string())
         .body(body.clone())
@@ -296,7 +278,7 @@ async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut F
             flight.engine_failed(&ApiError::UpstreamTimeout);
             Sent::Failed(ApiError::UpstreamTimeout)
         }
-        Ok(Err(e)) if is_local_resource_error(&e) => {
+        Ok(Err(e)) if crate::error::is_local_resource_error(&e) => {
             let why = error_chain(&e);
             tracing::error!(engine = %engine.id, request = flight.id.0, error = %why, "out of local resources calling an engine; the engine is not blamed");
             state.metrics.local_resource_errors.inc();
@@ -513,8 +495,8 @@ mod tests {
     #[test]
     fn descriptor_exhaustion_is_local() {
         let emfile = std::io::Error::from_raw_os_error(24);
-        assert!(is_local_resource_error(&emfile));
+        assert!(crate::error::is_local_resource_error(&emfile));
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        assert!(!is_local_resource_error(&refused));
+        assert!(!crate::error::is_local_resource_error(&refused));
     }
 }

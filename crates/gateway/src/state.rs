@@ -140,7 +140,7 @@ impl AppState {
             }
             other => GatewayError::Config(other.to_string()),
         })?;
-        let handle = Arc::new(EngineHandle::new(id.clone(), spec.clone()));
+        let handle = Arc::new(EngineHandle::new(id.clone(), spec.clone(), self.metrics.for_engine(id.as_str())));
         self.engines.write().insert(id, handle.clone());
         Ok(handle)
     }

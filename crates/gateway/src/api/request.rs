@@ -21,6 +21,9 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Every inference route.
+    pub const ALL: [Endpoint; 3] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Generate];
+
     /// The path on the engine.
     pub fn path(self) -> &'static str {
         match self {

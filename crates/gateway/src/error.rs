@@ -173,6 +173,12 @@ impl ApiError {
     }
 }
 
+impl From<kvgate_tokenizer::request::RequestError> for ApiError {
+    fn from(e: kvgate_tokenizer::request::RequestError) -> Self {
+        ApiError::InvalidRequest { param: e.param, message: e.message }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();

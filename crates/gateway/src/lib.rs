@@ -23,7 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
-pub mod clock;
+pub use kvgate_clock as clock;
 pub mod config;
 pub mod engines;
 pub mod error;

@@ -316,15 +316,12 @@ async fn every_data_parallel_rank_feeds_its_engine_index() {
     assert!(cached_on(&gw, &chat(&t1), "a").await > 0, "rank 1's stream on port + 1 is indexed too");
 }
 
-fn vector(name: &str) -> Option<Json> {
+/// A wire test vector from `../shared` (which CI always has): a missing one fails the test.
+fn vector(name: &str) -> Json {
     let path = format!("{}/../../../shared/data/kv-events/{name}", env!("CARGO_MANIFEST_DIR"));
-    match std::fs::read_to_string(&path) {
-        Ok(text) => Some(serde_json::from_str(&text).unwrap()),
-        Err(_) => {
-            eprintln!("skipping: {path} not found (../shared is absent)");
-            None
-        }
-    }
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}; the tests need ../shared/data beside the checkout"));
+    serde_json::from_str(&text).unwrap()
 }
 
 fn unhex(s: &str) -> Vec<u8> {
@@ -334,7 +331,7 @@ fn unhex(s: &str) -> Vec<u8> {
 /// vLLM 0.33's own bytes (seq 0, 1, then 0 from a restarted process) through real sockets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engines_own_restart_vector_replays_through_real_sockets() {
-    let Some(v) = vector("vllm-0.33-restart-seq-reset.json") else { return };
+    let v = vector("vllm-0.33-restart-seq-reset.json");
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;

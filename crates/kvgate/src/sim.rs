@@ -30,7 +30,7 @@ pub struct SimArgs {
     /// Trace file for mooncake (JSONL) and azure (CSV) replays.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Policy: round_robin, random, least_load, power_of_two, cache_aware, cache_aware_seeded,
+    /// Policy: round_robin, random, smg_least_load, power_of_two, cache_aware, cache_aware_seeded,
     /// sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or projected:off|shadow|enforce).
     #[arg(long, default_value = "projected")]
     policy: String,
@@ -38,7 +38,7 @@ pub struct SimArgs {
     #[arg(long)]
     mode: Option<String>,
     /// Run several policies on identical arrivals and print one table, e.g.
-    /// `cache_aware_seeded,least_load,projected:off,projected:enforce`.
+    /// `cache_aware_seeded,smg_least_load,projected:off,projected:enforce`.
     #[arg(long, value_delimiter = ',')]
     compare: Vec<String>,
     /// Seed of arrivals and every random choice.

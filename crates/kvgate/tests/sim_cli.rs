@@ -57,9 +57,9 @@ fn compare_runs_every_entry_on_identical_arrivals() {
     assert_eq!(runs.len(), 3);
     assert!(runs.iter().all(|x| x["requests"]["total"] == runs[0]["requests"]["total"]));
     assert_eq!(runs[1]["mode"], "off");
-    let table = kvgate(&[SMALL, &["--compare", "least_load,projected"]].concat());
+    let table = kvgate(&[SMALL, &["--compare", "smg_least_load,projected"]].concat());
     let text = String::from_utf8_lossy(&table.stdout);
-    assert!(text.contains("least_load") && text.contains("projected:enforce"), "{text}");
+    assert!(text.contains("smg_least_load") && text.contains("projected:enforce"), "{text}");
 }
 
 #[test]
@@ -75,7 +75,7 @@ fn plot_writes_an_svg() {
     let dir = std::env::temp_dir().join(format!("kvgate-plot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("runs.svg");
-    let out = kvgate(&[SMALL, &["--compare", "least_load,projected", "--plot", path.to_str().unwrap()]].concat());
+    let out = kvgate(&[SMALL, &["--compare", "smg_least_load,projected", "--plot", path.to_str().unwrap()]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let svg = std::fs::read_to_string(&path).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("projected:enforce") && svg.contains("<path"));
@@ -86,7 +86,8 @@ fn plot_writes_an_svg() {
 fn bad_flags_are_rejected_with_a_message() {
     for (args, needle) in [
         (vec!["sim", "--policy", "fastest"], "unknown policy"),
-        (vec!["sim", "--policy", "least_load:enforce"], "no modes"),
+        (vec!["sim", "--policy", "smg_least_load:enforce"], "no modes"),
+        (vec!["sim", "--policy", "least_load"], "now smg_least_load"),
         (vec!["sim", "--policy", "round_robin", "--mode", "shadow"], "--mode applies"),
         (vec!["sim", "--scenario", "nope"], "unknown scenario"),
         (vec!["sim", "--fault", "meteor"], "unknown fault"),

@@ -104,7 +104,7 @@ pub async fn start(
     format: EventFormat,
     faults: Arc<Mutex<Faults>>,
     mut batches: mpsc::UnboundedReceiver<EventBatch>,
-    clock: kvgate_gateway::clock::Clock,
+    clock: kvgate_clock::Clock,
 ) -> Result<(String, String), zeromq::ZmqError> {
     let mut publisher = zeromq::PubSocket::new();
     let pub_endpoint = publisher.bind(&format!("tcp://{host}:{pub_port}")).await?.to_string();

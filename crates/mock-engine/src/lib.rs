@@ -136,7 +136,7 @@ impl MockEngine {
             return Err(format!("speedup = {} is out of range: expected more than 0, at most 10000", cfg.speedup));
         }
         cfg.faults.validate()?;
-        let clock = kvgate_gateway::clock::Clock::start();
+        let clock = kvgate_clock::Clock::start();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (batch_tx, batch_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(stepper::Shared::new());

@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_core::RequestId;
 use kvgate_engine_model::EngineRequest;
+use kvgate_tokenizer::request::{self, Endpoint};
 use kvgate_tokenizer::BuiltinTokenizer;
 use parking_lot::Mutex;
 use rand::Rng;
@@ -75,42 +76,19 @@ fn bad(msg: impl Into<String>) -> Response {
 }
 
 /// Prompt tokens and output length of a request body.
+/// The prompt tokens and the tokens to generate, read by the gateway's own parser: the mock accepts
+/// exactly the bodies the gateway does.
 fn read(kind: Kind, body: &Value) -> Result<(Vec<u32>, u64), String> {
-    let ids = |v: &Value| -> Option<Vec<u32>> {
-        v.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+    let endpoint = match kind {
+        Kind::Chat => Endpoint::Chat,
+        Kind::Completion => Endpoint::Completions,
+        Kind::Generate => Endpoint::Generate,
     };
-    let (tokens, max) = match kind {
-        Kind::Chat => {
-            let messages = body.get("messages").and_then(Value::as_array).ok_or("`messages` must be an array")?;
-            let max = body.get("max_completion_tokens").or(body.get("max_tokens")).and_then(Value::as_u64);
-            (BuiltinTokenizer::encode(&BuiltinTokenizer::render(messages)), max)
-        }
-        Kind::Completion => {
-            let prompt = body.get("prompt").ok_or("`prompt` is required")?;
-            let tokens = match prompt {
-                Value::String(s) => BuiltinTokenizer::encode(s),
-                Value::Array(a) => match a.first() {
-                    Some(Value::String(s)) => BuiltinTokenizer::encode(s),
-                    Some(Value::Array(_)) => ids(&a[0]).ok_or("bad token ids")?,
-                    _ => ids(prompt).ok_or("bad token ids")?,
-                },
-                _ => return Err("`prompt` must be a string or token ids".into()),
-            };
-            (tokens, body.get("max_tokens").and_then(Value::as_u64))
-        }
-        Kind::Generate => {
-            let tokens = match (body.get("input_ids"), body.get("text")) {
-                (Some(v), _) if !v.is_null() => ids(v).ok_or("bad `input_ids`")?,
-                (_, Some(Value::String(s))) => BuiltinTokenizer::encode(s),
-                _ => return Err("`text` or `input_ids` is required".into()),
-            };
-            (tokens, body.pointer("/sampling_params/max_new_tokens").and_then(Value::as_u64))
-        }
-    };
-    if tokens.is_empty() {
+    let parsed = request::parse(endpoint, body, &BuiltinTokenizer, DEFAULT_MAX_TOKENS).map_err(|e| e.to_string())?;
+    if parsed.tokens.is_empty() {
         return Err("the prompt is empty".into());
     }
-    Ok((tokens, max.unwrap_or(DEFAULT_MAX_TOKENS).clamp(1, MAX_TOKENS_LIMIT)))
+    Ok((parsed.tokens, parsed.max_tokens.clamp(1, MAX_TOKENS_LIMIT)))
 }
 
 /// Deterministic filler text for token `i`.

@@ -96,7 +96,7 @@ pub async fn run(
     mut commands: mpsc::UnboundedReceiver<Command>,
     batches: mpsc::UnboundedSender<EventBatch>,
     shared: Arc<Shared>,
-    clock: kvgate_gateway::clock::Clock,
+    clock: kvgate_clock::Clock,
 ) {
     let mut listeners: HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>> = HashMap::new();
     let mut stalled_until: Option<std::time::Instant> = None;

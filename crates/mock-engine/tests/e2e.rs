@@ -365,3 +365,18 @@ async fn a_client_that_goes_away_cancels_its_work_in_the_engine() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_reads_requests_with_the_gateways_parser() {
+    let engine = MockEngine::start(MockConfig { speedup: 50.0, ..MockConfig::default() }).await.unwrap();
+    let client = reqwest::Client::new();
+    // SGLang's batched form: the gateway routes on its first prompt; the mock serves it.
+    let nested = json!({"input_ids": [[11, 12, 13, 14]], "sampling_params": {"max_new_tokens": 3}});
+    let r = client.post(format!("{}/generate", engine.url)).json(&nested).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    // And the same refusals, naming the field.
+    let bad = json!({"messages": [{"role": "user", "content": 3}]});
+    let r = client.post(format!("{}/v1/chat/completions", engine.url)).json(&bad).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("messages[0]"));
+}

@@ -26,6 +26,7 @@ pub mod builtin;
 pub mod conversation;
 pub mod hf;
 pub mod pyjson;
+pub mod request;
 pub mod strftime;
 pub mod template;
 

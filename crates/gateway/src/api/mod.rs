@@ -1,7 +1,10 @@
 //! The HTTP surface: inference routes, operations routes and the admin API.
 
 mod admin;
-pub mod request;
+/// Request parsing, shared with the mock engine (`kvgate_tokenizer::request`).
+pub mod request {
+    pub use kvgate_tokenizer::request::*;
+}
 
 use std::sync::Arc;
 
@@ -120,11 +123,11 @@ pub(crate) async fn parse_off_thread(
     body_len: usize,
 ) -> Result<request::Parsed, ApiError> {
     if body_len <= INLINE_TOKENIZE_BYTES {
-        return request::parse(endpoint, &value, state.tokenizer.as_ref(), state.config.assumed_decode_tokens);
+        return Ok(request::parse(endpoint, &value, state.tokenizer.as_ref(), state.config.assumed_decode_tokens)?);
     }
     let s = state.clone();
     tokio::task::spawn_blocking(move || {
-        request::parse(endpoint, &value, s.tokenizer.as_ref(), s.config.assumed_decode_tokens)
+        request::parse(endpoint, &value, s.tokenizer.as_ref(), s.config.assumed_decode_tokens).map_err(ApiError::from)
     })
     .await
     .map_err(|_| ApiError::Internal)?

@@ -16,16 +16,11 @@ use kvgate_gateway::{AppState, GatewayConfig};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
-/// A recorded SSE stream from `../shared/data/sse/`, or a synthetic one when shared data is absent.
+/// A recorded SSE stream from `../shared/data/sse/` (CI always has it; a missing one fails).
 pub fn recorded_stream(name: &str) -> String {
     let path = format!("{}/../../../shared/data/sse/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&path).unwrap_or_else(|_| {
-        eprintln!("{path} not found; using a synthetic stream");
-        (0..20)
-            .map(|i| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"))
-            .collect::<String>()
-            + "data: [DONE]\n\n"
-    })
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}; the tests need ../shared/data beside the checkout"))
 }
 
 /// The events of an SSE text, each with its blank-line terminator.

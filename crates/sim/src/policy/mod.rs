@@ -6,7 +6,7 @@
 //! | `projected` (`:off`, `:shadow`, `:enforce`) | kvgate's core, projected policy | `core_backed.rs` |
 //! | `cache_aware`, `cache_aware_seeded` | SMG cache_aware, event-driven, via the core | `core_backed.rs` |
 //! | `round_robin`, `random` | SMG §9 | `simple.rs` |
-//! | `least_load`, `power_of_two` | SMG expected wait §1, §2 | `simple.rs` |
+//! | `smg_least_load`, `power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, §2 | `simple.rs` |
 //! | `sglang_v04`, `aibrix`, `lmetric` | approximate prefix trees §4, §7, §8 | `approx.rs` |
 //! | `dynamo`, `llm_d` | exact-event KV indexes §5, §6 | `exact.rs` |
 
@@ -116,7 +116,7 @@ pub trait SimPolicy {
 pub const POLICY_NAMES: &[&str] = &[
     "round_robin",
     "random",
-    "least_load",
+    "smg_least_load",
     "power_of_two",
     "cache_aware",
     "cache_aware_seeded",
@@ -144,6 +144,11 @@ impl PolicySpec {
             Some((n, m)) => (n, Some(m.parse::<Mode>().map_err(|e| SimError::Config(e.to_string()))?)),
             None => (s, None),
         };
+        if name == "least_load" {
+            return Err(SimError::Config(
+                "the simulator's least_load is now smg_least_load (SMG's load policy); kvgate's own load-only routing is projected:off".into(),
+            ));
+        }
         if !POLICY_NAMES.contains(&name) {
             return Err(SimError::Config(format!(
                 "unknown policy {name:?}: expected one of {}",
@@ -183,7 +188,7 @@ pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Resu
         }
         "round_robin" => Box::new(simple::RoundRobin::default()),
         "random" => Box::new(simple::Random),
-        "least_load" => Box::new(simple::SmgLeastLoad::new(false)),
+        "smg_least_load" => Box::new(simple::SmgLeastLoad::new(false)),
         "power_of_two" => Box::new(simple::SmgLeastLoad::new(true)),
         "sglang_v04" => Box::new(approx::SglangV04::new(fleet)),
         "aibrix" => Box::new(approx::Aibrix::new(fleet)),

@@ -1,10 +1,32 @@
-//! Parsing and validating client requests into what routing needs. The body itself is forwarded
+//! What an inference request asks for: its prompt as token ids, the tokens it may generate, whether
+//! it streams. The gateway (to route) and the mock engine (to serve) read requests with this one
+//! parser, so both agree on every body shape the engines accept. The body itself is forwarded
 //! unchanged; this only reads it.
 
 use serde_json::Value;
 
-use crate::error::ApiError;
-use crate::tokenize::PromptTokenizer;
+use crate::{PromptTokenizer, TokenizeError};
+
+/// A request body that is not a valid request, naming the field at fault where there is one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    /// The offending field (`messages[2]`, `prompt`, ...), if one is at fault.
+    pub param: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl RequestError {
+    /// An invalid field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        RequestError { param: Some(param.to_owned()), message: message.into() }
+    }
+
+    fn whole(message: impl Into<String>) -> Self {
+        RequestError { param: None, message: message.into() }
+    }
+}
 
 /// Most tokens a request may ask to generate.
 pub const MAX_OUTPUT_TOKENS: u64 = 10_000_000;
@@ -60,34 +82,34 @@ pub struct Parsed {
     pub cache_salt: Option<String>,
 }
 
-fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, ApiError> {
+fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, RequestError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a string"))),
+        Some(_) => Err(RequestError::invalid(key, format!("`{key}` must be a string"))),
     }
 }
 
-fn opt_bool(body: &Value, key: &str) -> Result<bool, ApiError> {
+fn opt_bool(body: &Value, key: &str) -> Result<bool, RequestError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean"))),
+        Some(_) => Err(RequestError::invalid(key, format!("`{key}` must be a boolean"))),
     }
 }
 
-fn opt_count(obj: &Value, key: &str) -> Result<Option<u64>, ApiError> {
+fn opt_count(obj: &Value, key: &str) -> Result<Option<u64>, RequestError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
             Some(n) if n <= MAX_OUTPUT_TOKENS => Ok(Some(n)),
-            _ => Err(ApiError::invalid(key, format!("`{key}` must be an integer from 0 to {MAX_OUTPUT_TOKENS}"))),
+            _ => Err(RequestError::invalid(key, format!("`{key}` must be an integer from 0 to {MAX_OUTPUT_TOKENS}"))),
         },
     }
 }
 
-fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, ApiError> {
-    let bad = || ApiError::invalid(param, format!("`{param}` token ids must be integers from 0 to {}", u32::MAX));
+fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
+    let bad = || RequestError::invalid(param, format!("`{param}` token ids must be integers from 0 to {}", u32::MAX));
     v.as_array()
         .ok_or_else(bad)?
         .iter()
@@ -102,9 +124,9 @@ pub fn parse(
     body: &Value,
     tokenizer: &dyn PromptTokenizer,
     default_max_tokens: u64,
-) -> Result<Parsed, ApiError> {
+) -> Result<Parsed, RequestError> {
     if !body.is_object() {
-        return Err(ApiError::InvalidRequest { param: None, message: "the request body must be a JSON object".into() });
+        return Err(RequestError::whole("the request body must be a JSON object"));
     }
     let model = opt_str(body, "model")?.map(str::to_owned);
     let cache_salt = opt_str(body, "cache_salt")?.filter(|s| !s.is_empty()).map(str::to_owned);
@@ -113,23 +135,22 @@ pub fn parse(
     let add_special = match body.get("add_special_tokens") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean")),
+        Some(_) => return Err(RequestError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean")),
     };
-    let tokenize_err =
-        |e: crate::tokenize::TokenizeError| ApiError::InvalidRequest { param: None, message: e.to_string() };
+    let tokenize_err = |e: TokenizeError| RequestError::whole(e.to_string());
     let (tokens, max_tokens) = match endpoint {
         Endpoint::Chat => {
             let messages = body
                 .get("messages")
                 .and_then(Value::as_array)
                 .filter(|m| !m.is_empty())
-                .ok_or_else(|| ApiError::invalid("messages", "`messages` must be a non-empty array"))?;
+                .ok_or_else(|| RequestError::invalid("messages", "`messages` must be a non-empty array"))?;
             for (i, m) in messages.iter().enumerate() {
                 let role_ok = m.get("role").is_some_and(Value::is_string);
                 let content_ok =
                     matches!(m.get("content"), None | Some(Value::Null | Value::String(_) | Value::Array(_)));
                 if !m.is_object() || !role_ok || !content_ok {
-                    return Err(ApiError::invalid(
+                    return Err(RequestError::invalid(
                         &format!("messages[{i}]"),
                         format!(
                             "`messages[{i}]` must be an object with a string `role` and a string or array `content`"
@@ -141,11 +162,11 @@ pub fn parse(
             (tokenizer.encode_chat(body).map_err(tokenize_err)?, max)
         }
         Endpoint::Completions => {
-            let prompt = body.get("prompt").ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+            let prompt = body.get("prompt").ok_or_else(|| RequestError::invalid("prompt", "`prompt` is required"))?;
             let tokens = match prompt {
                 Value::String(s) => tokenizer.encode_prompt(s, add_special).map_err(tokenize_err)?,
                 Value::Array(items) if items.is_empty() => {
-                    return Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
+                    return Err(RequestError::invalid("prompt", "`prompt` must not be empty"))
                 }
                 Value::Array(items) => match &items[0] {
                     // Several prompts are served by one engine; the first one places the request.
@@ -155,14 +176,14 @@ pub fn parse(
                     Value::Number(_) => token_ids(prompt, "prompt")?,
                     Value::Array(_) => token_ids(&items[0], "prompt")?,
                     _ => {
-                        return Err(ApiError::invalid(
+                        return Err(RequestError::invalid(
                             "prompt",
                             "`prompt` must be a string, strings, token ids or lists of token ids",
                         ))
                     }
                 },
                 _ => {
-                    return Err(ApiError::invalid(
+                    return Err(RequestError::invalid(
                         "prompt",
                         "`prompt` must be a string, strings, token ids or lists of token ids",
                     ))
@@ -180,12 +201,12 @@ pub fn parse(
                 (_, Some(Value::Array(ts))) if ts.first().is_some_and(Value::is_string) => {
                     tokenizer.encode_prompt(ts[0].as_str().unwrap_or_default(), add_special).map_err(tokenize_err)?
                 }
-                _ => return Err(ApiError::invalid("text", "`/generate` needs `text` or `input_ids`")),
+                _ => return Err(RequestError::invalid("text", "`/generate` needs `text` or `input_ids`")),
             };
             let max = match body.get("sampling_params") {
                 None | Some(Value::Null) => None,
                 Some(sp) if sp.is_object() => opt_count(sp, "max_new_tokens")?,
-                Some(_) => return Err(ApiError::invalid("sampling_params", "`sampling_params` must be an object")),
+                Some(_) => return Err(RequestError::invalid("sampling_params", "`sampling_params` must be an object")),
             };
             (tokens, max)
         }
@@ -196,10 +217,10 @@ pub fn parse(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenize::BuiltinTokenizer;
+    use crate::BuiltinTokenizer;
     use serde_json::json;
 
-    fn p(e: Endpoint, v: Value) -> Result<Parsed, ApiError> {
+    fn p(e: Endpoint, v: Value) -> Result<Parsed, RequestError> {
         parse(e, &v, &BuiltinTokenizer, 256)
     }
 
@@ -224,7 +245,7 @@ mod tests {
     #[test]
     fn malformed_requests_name_the_field() {
         let param = |e: Endpoint, v: Value| match p(e, v) {
-            Err(ApiError::InvalidRequest { param, .. }) => param,
+            Err(RequestError { param, .. }) => param,
             other => panic!("{other:?}"),
         };
         assert_eq!(param(Endpoint::Chat, json!({"messages": []})), Some("messages".into()));
@@ -242,6 +263,6 @@ mod tests {
         assert_eq!(param(Endpoint::Completions, json!({"prompt": [1, -2]})), Some("prompt".into()));
         assert_eq!(param(Endpoint::Completions, json!({})), Some("prompt".into()));
         assert_eq!(param(Endpoint::Generate, json!({})), Some("text".into()));
-        assert!(matches!(p(Endpoint::Chat, json!([1])), Err(ApiError::InvalidRequest { param: None, .. })));
+        assert!(matches!(p(Endpoint::Chat, json!([1])), Err(RequestError { param: None, .. })));
     }
 }

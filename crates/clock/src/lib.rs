@@ -1,5 +1,6 @@
-//! The gateway's one contact with the wall clock: logical timestamps for the core, measured from
-//! process start.
+//! kvgate's one contact with the wall clock: logical timestamps for the core, measured from process
+//! start. The gateway and the mock engine read time only through it; the core, the index and the
+//! engine model take time as an argument.
 
 use std::time::Instant;
 
@@ -36,7 +37,7 @@ impl Clock {
     }
 }
 
-/// Seed material for the gateway's tie-breaking RNG: ties should break differently in each replica.
+/// Seed material for a tie-breaking RNG: ties should break differently in each replica.
 #[allow(clippy::disallowed_methods)] // see above
 pub fn entropy() -> u64 {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);

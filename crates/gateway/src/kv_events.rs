@@ -24,8 +24,8 @@ use kvgate_protocol::{KvEvent, KvEventBatch};
 use kvgate_zmtp::{Limits, SubSocket, ZmtpError};
 use serde::Serialize;
 
-use crate::engines::EngineHandle;
-use crate::state::AppState;
+use crate::registry::EngineContext;
+use crate::registry::EngineHandle;
 
 /// How long a replay may take before the gap is treated as lost history.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -135,7 +135,7 @@ fn mark(batch: &KvEventBatch) -> BatchMark {
 }
 
 struct Subscriber {
-    state: std::sync::Weak<AppState>,
+    ctx: EngineContext,
     engine: Arc<EngineHandle>,
     cfg: StreamConfig,
     stats: Arc<StreamStats>,
@@ -169,11 +169,11 @@ impl WarnLimiter {
 }
 
 /// Runs one engine's subscriber until the task is aborted or the gateway is gone.
-pub async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>, cfg: StreamConfig) {
+pub async fn run(ctx: EngineContext, engine: Arc<EngineHandle>, cfg: StreamConfig) {
     let stats = engine.stream.clone();
     let resync = engine.resync.subscribe();
     let mut sub = Subscriber {
-        state,
+        ctx,
         engine,
         cfg,
         stats,
@@ -188,10 +188,8 @@ pub async fn run(state: std::sync::Weak<AppState>, engine: Arc<EngineHandle>, cf
             Ok(()) => return,
             Err(e) => {
                 sub.lost = true;
-                if let Some(state) = sub.state.upgrade() {
-                    let why = format!("KV event stream from {} down: {e}", sub.cfg.endpoint);
-                    let _ = state.router.set_kv_state(&sub.cfg.worker, KvState::Incomplete(why));
-                }
+                let why = format!("KV event stream from {} down: {e}", sub.cfg.endpoint);
+                let _ = sub.ctx.router.set_kv_state(&sub.cfg.worker, KvState::Incomplete(why));
                 sub.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(engine = %sub.cfg.worker, endpoint = %sub.cfg.endpoint, error = %e, "KV event stream lost; reconnecting");
                 tokio::time::sleep(backoff).await;
@@ -216,8 +214,7 @@ impl Subscriber {
         let role = if self.cfg.bind { "listening for" } else { "subscribed to" };
         tracing::info!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, "{role} KV events");
         if self.cfg.bind {
-            let Some(state) = self.state.upgrade() else { return Ok(()) };
-            let _ = state.router.set_kv_state(
+            let _ = self.ctx.router.set_kv_state(
                 &self.cfg.worker,
                 KvState::Incomplete(format!("listening on {}; the engine has not connected yet", self.cfg.endpoint)),
             );
@@ -226,16 +223,14 @@ impl Subscriber {
         loop {
             if !connected && socket.connected_peers() > 0 {
                 connected = true;
-                let Some(state) = self.state.upgrade() else { return Ok(()) };
-                self.on_connected(&state).await;
+                self.on_connected().await;
             }
             let msg = tokio::select! {
                 changed = self.resync.changed() => {
                     if changed.is_err() {
                         return Ok(()); // the engine was removed
                     }
-                    let Some(state) = self.state.upgrade() else { return Ok(()) };
-                    self.rebuild(&state).await;
+                    self.rebuild().await;
                     continue;
                 }
                 msg = tokio::time::timeout(IDLE_CATCH_UP, socket.recv()) => msg,
@@ -244,78 +239,75 @@ impl Subscriber {
                 Ok(Ok(msg)) => msg,
                 // One publisher of a binding socket misbehaved; it is gone, the socket listens on.
                 Ok(Err(e)) if e.is_peer() => {
-                    let Some(state) = self.state.upgrade() else { return Ok(()) };
-                    self.peer_failed(&state, &e);
+                    self.peer_failed(&e);
                     continue;
                 }
                 Ok(Err(e)) => {
                     if e.is_protocol_violation() {
-                        let Some(state) = self.state.upgrade() else { return Ok(()) };
-                        self.peer_failed(&state, &e);
+                        self.peer_failed(&e);
                     }
                     return Err(e.to_string());
                 }
                 Err(_) => {
-                    let Some(state) = self.state.upgrade() else { return Ok(()) };
                     if self.cfg.replay.is_some() {
-                        self.catch_up(&state).await;
+                        self.catch_up().await;
                     }
                     continue;
                 }
             };
-            let Some(state) = self.state.upgrade() else { return Ok(()) };
-            self.on_message(&state, msg).await;
+            self.on_message(msg).await;
         }
     }
 
     /// The stream is up: catch up on what the engine published before (§8: a replay from the next
     /// sequence number), or, without a replay socket, forget what may have been missed while it was
     /// down. Then the view is complete.
-    async fn on_connected(&mut self, state: &AppState) {
+    async fn on_connected(&mut self) {
         if self.cfg.replay.is_some() {
-            self.catch_up(state).await;
+            self.catch_up().await;
         } else if self.lost {
-            let _ = state.router.clear_kv(&self.cfg.worker);
+            let _ = self.ctx.router.clear_kv(&self.cfg.worker);
         }
         self.lost = false;
         if self.tracker.awaiting_replay().is_none() {
-            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
+            let _ = self.ctx.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
         }
     }
 
     /// Counts a publisher that broke the protocol (an oversized frame, a bad handshake). Whatever it
     /// sent is dropped before it reaches the index; if the peer is the engine, the gap it leaves is
     /// found by the sequence numbers and replayed.
-    fn peer_failed(&mut self, state: &AppState, e: &ZmtpError) {
+    fn peer_failed(&mut self, e: &ZmtpError) {
         self.stats.decode_errors.fetch_add(1, Ordering::Relaxed);
-        self.count(state, |m| &m.kv_decode_errors, 1);
-        if let Some(held_back) = self.warnings.allow(state.clock.instant()) {
+        self.count(|m| &m.kv_decode_errors, 1);
+        if let Some(held_back) = self.warnings.allow(self.ctx.clock.instant()) {
             tracing::warn!(engine = %self.cfg.worker, endpoint = %self.cfg.endpoint, error = %e, held_back, "KV event peer broke the protocol; disconnected it");
         }
     }
 
     /// Starts over from an empty view, as for a restarted engine: forget the sequence numbers and
     /// rebuild from the replay socket (the registry has already cleared the blocks).
-    async fn rebuild(&mut self, state: &AppState) {
+    async fn rebuild(&mut self) {
         self.tracker = StreamTracker::new();
         self.stats.last_seq.store(u64::MAX, Ordering::Relaxed);
         if self.cfg.replay.is_some() {
-            self.replay(state, 0).await;
+            self.replay(0).await;
         } else {
-            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
+            let _ = self.ctx.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
         }
     }
 
-    async fn on_message(&mut self, state: &AppState, frames: Vec<Bytes>) {
+    async fn on_message(&mut self, frames: Vec<Bytes>) {
         let msg = match decode_live(&frames) {
             Ok(m) => m,
             Err(e) => {
                 self.stats.decode_errors.fetch_add(1, Ordering::Relaxed);
-                self.count(state, |m| &m.kv_decode_errors, 1);
-                if let Some(held_back) = self.warnings.allow(state.clock.instant()) {
+                self.count(|m| &m.kv_decode_errors, 1);
+                if let Some(held_back) = self.warnings.allow(self.ctx.clock.instant()) {
                     tracing::warn!(engine = %self.cfg.worker, error = %e, held_back, "undecodable KV event message");
                 }
-                let _ = state
+                let _ = self
+                    .ctx
                     .router
                     .set_kv_state(&self.cfg.worker, KvState::Invalid(format!("undecodable KV event message: {e}")));
                 return;
@@ -323,44 +315,44 @@ impl Subscriber {
         };
         if !msg.batch.skipped.is_empty() {
             self.stats.decode_errors.fetch_add(msg.batch.skipped.len() as u64, Ordering::Relaxed);
-            self.count(state, |m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
+            self.count(|m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
             tracing::debug!(engine = %self.cfg.worker, skipped = ?msg.batch.skipped, "KV events skipped");
         }
         let mark = mark(&msg.batch.batch);
         let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
-        self.act(state, action).await;
+        self.act(action).await;
     }
 
     /// Carries out what the tracker decided about a batch.
-    async fn act(&mut self, state: &AppState, action: LiveAction<Batch>) {
+    async fn act(&mut self, action: LiveAction<Batch>) {
         match action {
-            LiveAction::Apply(batches) => self.apply(state, batches),
+            LiveAction::Apply(batches) => self.apply(batches),
             LiveAction::Duplicate | LiveAction::Buffered => {}
             LiveAction::Replay { from } => {
                 self.stats.gaps.fetch_add(1, Ordering::Relaxed);
-                self.count(state, |m| &m.kv_gaps, 1);
-                let _ = state.router.set_kv_state(
+                self.count(|m| &m.kv_gaps, 1);
+                let _ = self.ctx.router.set_kv_state(
                     &self.cfg.worker,
                     KvState::Incomplete(format!("sequence gap from {from}: replaying")),
                 );
-                self.replay(state, from).await;
+                self.replay(from).await;
             }
             LiveAction::Restart => {
                 self.stats.restarts.fetch_add(1, Ordering::Relaxed);
-                self.count(state, |m| &m.kv_restarts, 1);
+                self.count(|m| &m.kv_restarts, 1);
                 tracing::info!(engine = %self.cfg.worker, "KV event sequence went backwards: engine restarted");
-                let _ = state.router.clear_kv(&self.cfg.worker);
-                let _ = state
+                let _ = self.ctx.router.clear_kv(&self.cfg.worker);
+                let _ = self
+                    .ctx
                     .router
                     .set_kv_state(&self.cfg.worker, KvState::Incomplete("engine restarted: replaying from 0".into()));
-                self.replay(state, 0).await;
+                self.replay(0).await;
             }
         }
     }
 
     fn count(
         &self,
-        state: &AppState,
         family: impl Fn(
             &crate::metrics::Metrics,
         ) -> &prometheus_client::metrics::family::Family<
@@ -369,24 +361,24 @@ impl Subscriber {
         >,
         n: u64,
     ) {
-        crate::metrics::Metrics::engine_counter(family(&state.metrics), self.cfg.worker.as_str()).inc_by(n);
+        crate::metrics::Metrics::engine_counter(family(&self.ctx.metrics), self.cfg.worker.as_str()).inc_by(n);
     }
 
-    fn apply(&self, state: &AppState, batches: Vec<Batch>) {
-        let now = state.clock.now();
+    fn apply(&self, batches: Vec<Batch>) {
+        let now = self.ctx.clock.now();
         for (seq, events) in batches {
-            if state.router.apply_kv_events(&self.cfg.worker, &events, now).is_err() {
+            if self.ctx.router.apply_kv_events(&self.cfg.worker, &events, now).is_err() {
                 return; // the worker was removed
             }
             self.stats.last_seq.store(seq, Ordering::Relaxed);
             self.stats.batches.fetch_add(1, Ordering::Relaxed);
             self.stats.events.fetch_add(events.len() as u64, Ordering::Relaxed);
-            self.count(state, |m| &m.kv_events, events.len() as u64);
+            self.count(|m| &m.kv_events, events.len() as u64);
         }
     }
 
     /// Applies anything the replay socket has beyond what was applied, without counting a gap.
-    async fn catch_up(&mut self, state: &AppState) {
+    async fn catch_up(&mut self) {
         let from = self.tracker.applied().map_or(0, |a| a + 1);
         let Some(endpoint) = self.cfg.replay.clone() else { return };
         let Ok(Ok(batches)) = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&endpoint, from)).await else { return };
@@ -396,16 +388,16 @@ impl Subscriber {
         for (seq, batch) in batches {
             let action = self.tracker.on_catch_up(seq, (seq, batch.events));
             let resolves_itself = matches!(action, LiveAction::Replay { .. } | LiveAction::Restart);
-            self.act(state, action).await;
+            self.act(action).await;
             if resolves_itself {
                 break; // that replay fetched the rest
             }
         }
     }
 
-    async fn replay(&mut self, state: &AppState, from: u64) {
+    async fn replay(&mut self, from: u64) {
         self.stats.replays.fetch_add(1, Ordering::Relaxed);
-        self.count(state, |m| &m.kv_replays, 1);
+        self.count(|m| &m.kv_replays, 1);
         let replayed = match &self.cfg.replay {
             Some(endpoint) => match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from)).await {
                 Ok(Ok(batches)) => batches,
@@ -425,11 +417,11 @@ impl Subscriber {
         if outcome.history_lost {
             self.stats.history_lost.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(engine = %self.cfg.worker, from, "KV event history lost: continuing from a cleared, partial view");
-            let _ = state.router.clear_kv(&self.cfg.worker);
+            let _ = self.ctx.router.clear_kv(&self.cfg.worker);
         }
-        self.apply(state, outcome.apply);
+        self.apply(outcome.apply);
         if self.tracker.awaiting_replay().is_none() {
-            let _ = state.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
+            let _ = self.ctx.router.set_kv_state(&self.cfg.worker, self.engine.synced_state());
         }
     }
 }

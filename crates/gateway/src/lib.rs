@@ -30,6 +30,7 @@ pub mod error;
 pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
+pub mod registry;
 mod server;
 pub mod state;
 pub mod tokenize;
@@ -68,7 +69,7 @@ pub async fn serve(
     if state.config.admin_key.is_none() {
         tracing::warn!("no admin key configured: /admin routes are open to anyone who can reach the gateway");
     }
-    engines::start_all(&state);
+    engines::start_all(&state.engine_context());
     let app = api::routes(state.clone());
     let served = server::run(listener, &state, app, shutdown).await;
     for e in state.engines.read().values() {

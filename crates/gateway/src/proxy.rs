@@ -76,7 +76,7 @@ impl Flight {
 
     /// The engine failed this request: count it against the engine and end with `err`'s status.
     fn engine_failed(&mut self, err: &ApiError) {
-        engines::request_failed(&self.state, &self.engine);
+        engines::request_failed(&self.state.engine_context(), &self.engine);
         self.outcome = Outcome::Status(err.status().as_u16());
     }
 }
@@ -297,7 +297,7 @@ async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut F
             let why = error_chain(&e);
             if e.is_connect() {
                 tracing::warn!(engine = %engine.id, request = flight.id.0, error = %why, "connect failed");
-                engines::request_failed(state, &engine);
+                engines::request_failed(&state.engine_context(), &engine);
             } else {
                 tracing::info!(engine = %engine.id, request = flight.id.0, error = %why, "request failed before any response");
             }
@@ -311,7 +311,7 @@ async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut F
             _ => {
                 let status = resp.status().as_u16();
                 tracing::warn!(engine = %engine.id, request = flight.id.0, status, "upstream answered with a server error");
-                engines::request_failed(state, &engine);
+                engines::request_failed(&state.engine_context(), &engine);
                 retry_or(flight, ApiError::UpstreamFailed)
             }
         },

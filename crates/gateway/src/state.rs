@@ -1,7 +1,7 @@
-//! Shared gateway state: the core router, the engine registry, the tokenizer, metrics and the
-//! decision log.
+//! The gateway's state, composed: the core router, the engine registry, the tokenizer, metrics and
+//! the decision log. Background tasks get an [`EngineContext`] instead of all of it.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
@@ -15,6 +15,7 @@ use crate::clock::Clock;
 use crate::config::{GatewayConfig, WorkerSpec};
 use crate::engines::EngineHandle;
 use crate::metrics::Metrics;
+use crate::registry::{EngineContext, EngineRegistry, EngineSettings};
 use crate::tokenize::PromptTokenizer;
 use crate::GatewayError;
 
@@ -43,17 +44,17 @@ pub struct AppState {
     /// Runtime-tunable settings.
     pub runtime: RwLock<Runtime>,
     /// The routing core.
-    pub router: Router,
+    pub router: Arc<Router>,
     /// The clock the core's timestamps come from.
     pub clock: Clock,
-    /// Registered engines, by id.
-    pub engines: RwLock<BTreeMap<WorkerId, Arc<EngineHandle>>>,
+    /// Registered engines and the models they serve.
+    pub engines: Arc<EngineRegistry>,
     /// Prompt tokenizer.
     pub tokenizer: Arc<dyn PromptTokenizer>,
     /// HTTP client for engines.
     pub http: reqwest::Client,
     /// Prometheus metrics.
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// Recent decisions.
     pub decisions: Mutex<VecDeque<LoggedDecision>>,
     /// Next request id.
@@ -62,13 +63,11 @@ pub struct AppState {
     pub queued: AtomicUsize,
     /// Woken when capacity may have appeared (a request released its reservation, an engine came
     /// back), so queued requests decide again at once.
-    pub capacity: tokio::sync::Notify,
+    pub capacity: Arc<tokio::sync::Notify>,
     /// Request body bytes that may be buffered at once, over all connections, in KiB.
     pub body_budget: Arc<tokio::sync::Semaphore>,
     /// Tie-breaking randomness.
     pub rng: Mutex<ChaCha8Rng>,
-    /// Models the engines serve (union).
-    pub models: RwLock<BTreeSet<String>>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -95,19 +94,18 @@ impl AppState {
         let seed = crate::clock::entropy();
         let state = Arc::new(AppState {
             runtime: RwLock::new(Runtime { admission_wait_s: config.admission_wait_s }),
-            router,
+            router: Arc::new(router),
             clock,
-            engines: RwLock::new(BTreeMap::new()),
+            engines: Arc::new(EngineRegistry::default()),
             tokenizer,
             http,
-            metrics: Metrics::new(),
+            metrics: Arc::new(Metrics::new()),
             decisions: Mutex::new(VecDeque::new()),
             next_request: AtomicU64::new(1),
             queued: AtomicUsize::new(0),
-            capacity: tokio::sync::Notify::new(),
+            capacity: Arc::new(tokio::sync::Notify::new()),
             body_budget: Arc::new(tokio::sync::Semaphore::new(config.limits.max_buffered_body_bytes.div_ceil(1024))),
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
-            models: RwLock::new(BTreeSet::new()),
             config,
         });
         for w in state.config.workers.clone() {
@@ -141,14 +139,13 @@ impl AppState {
             other => GatewayError::Config(other.to_string()),
         })?;
         let handle = Arc::new(EngineHandle::new(id.clone(), spec.clone(), self.metrics.for_engine(id.as_str())));
-        self.engines.write().insert(id, handle.clone());
+        self.engines.insert(handle.clone());
         Ok(handle)
     }
 
     /// Removes an engine; in-flight requests finish, but their reservations are dropped.
     pub fn remove_engine(&self, id: &WorkerId) -> Result<(), GatewayError> {
-        let handle =
-            self.engines.write().remove(id).ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
+        let handle = self.engines.remove(id).ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
         handle.stop();
         self.router.remove_worker(id).map_err(|e| GatewayError::NotFound(e.to_string()))?;
         Ok(())
@@ -156,7 +153,20 @@ impl AppState {
 
     /// The engine handle of a worker.
     pub fn engine(&self, id: &WorkerId) -> Option<Arc<EngineHandle>> {
-        self.engines.read().get(id).cloned()
+        self.engines.get(id)
+    }
+
+    /// What the engines' background tasks (and passive health) are given.
+    pub fn engine_context(&self) -> EngineContext {
+        EngineContext {
+            router: self.router.clone(),
+            clock: self.clock,
+            http: self.http.clone(),
+            metrics: self.metrics.clone(),
+            registry: self.engines.clone(),
+            capacity: self.capacity.clone(),
+            settings: EngineSettings::from_config(&self.config),
+        }
     }
 
     /// Appends to the bounded decision log.

@@ -182,7 +182,7 @@ async fn client_errors_get_openai_style_bodies() {
     let big = json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]});
     let (s, b) = status_of(gw.post("/v1/chat/completions", &big).await).await;
     assert_eq!((s, b["error"]["code"].as_str()), (413, Some("payload_too_large")));
-    assert!(gw.eventually(Duration::from_secs(2), |s| !s.models.read().is_empty()).await, "models discovered");
+    assert!(gw.eventually(Duration::from_secs(2), |s| !s.engines.models().is_empty()).await, "models discovered");
     let (s, b) = status_of(
         gw.post("/v1/chat/completions", &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}))
             .await,

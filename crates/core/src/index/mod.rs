@@ -212,25 +212,27 @@ impl KvIndex {
             self.mark_incomplete(slot, reason);
             return dropped;
         }
-        let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+        let cap = self.max_blocks_per_worker;
+        // Disjoint borrows: the worker's own maps, the shared holder lists and the hasher.
+        let Self { workers, holders, hasher, .. } = self;
+        let Some(worker) = workers.get_mut(slot.index()).and_then(Option::as_mut) else {
+            return dropped;
+        };
         let mut key = match ev.parent_block_hash {
             None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
             Some(parent) => match worker.engine_to_key.get(&parent) {
                 Some(key) => *key,
                 None => {
-                    let reason = format!("BlockStored names unknown parent block {:#018x}", parent.0);
-                    self.mark_incomplete(slot, reason);
+                    worker.mark_incomplete(format!("BlockStored names unknown parent block {:#018x}", parent.0));
                     return dropped;
                 }
             },
         };
         let mut stats = ApplyStats::default();
         for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
-            key = self.hasher.block_key(key, tokens);
-            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
+            key = hasher.block_key(key, tokens);
             // Both maps are bounded: distinct contents, and engine hashes (the same content stored
             // under ever new hashes grows only the second).
-            let cap = self.max_blocks_per_worker;
             let too_many_keys = worker.key_refs.len() >= cap && !worker.key_refs.contains_key(&key);
             let too_many_hashes = worker.engine_to_key.len() >= cap && !worker.engine_to_key.contains_key(hash);
             if too_many_keys || too_many_hashes {
@@ -242,10 +244,10 @@ impl KvIndex {
             }
             let outcome = worker.map_engine_hash(*hash, key);
             if let Some(old) = outcome.released {
-                remove_holder(&mut self.holders, old, slot);
+                remove_holder(holders, old, slot);
             }
             if outcome.newly_held {
-                insert_holder(self.holders.entry(key).or_default(), slot);
+                insert_holder(holders.entry(key).or_default(), slot);
                 stats.blocks_stored += 1;
             }
         }
@@ -258,11 +260,15 @@ impl KvIndex {
             stats.ignored += 1;
             return stats;
         }
+        let Self { workers, holders, .. } = self;
+        let Some(worker) = workers.get_mut(slot.index()).and_then(Option::as_mut) else {
+            stats.dropped += 1;
+            return stats;
+        };
         for hash in &ev.block_hashes {
-            let worker = self.workers[slot.index()].as_mut().expect("checked by caller");
             match worker.unmap_engine_hash(*hash) {
                 Some((key, true)) => {
-                    remove_holder(&mut self.holders, key, slot);
+                    remove_holder(holders, key, slot);
                     stats.blocks_removed += 1;
                 }
                 Some((_, false)) => {}
@@ -274,9 +280,7 @@ impl KvIndex {
 
     fn mark_incomplete(&mut self, slot: WorkerSlot, reason: String) {
         if let Some(w) = self.worker_mut(slot) {
-            if !matches!(w.state, KvState::Invalid(_)) {
-                w.state = KvState::Incomplete(reason);
-            }
+            w.mark_incomplete(reason);
         }
     }
 

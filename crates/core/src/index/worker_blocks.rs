@@ -77,6 +77,13 @@ impl WorkerBlocks {
         WorkerBlocks { engine_to_key: FxHashMap::default(), key_refs: FxHashMap::default(), state, last_event_at: None }
     }
 
+    /// Marks the view incomplete (it misses events), unless it is already invalid.
+    pub(super) fn mark_incomplete(&mut self, reason: String) {
+        if !matches!(self.state, KvState::Invalid(_)) {
+            self.state = KvState::Incomplete(reason);
+        }
+    }
+
     pub(super) fn map_engine_hash(&mut self, hash: EngineHash, key: BlockKey) -> MapOutcome {
         let previous = self.engine_to_key.insert(hash, key);
         if previous == Some(key) {

@@ -29,7 +29,8 @@ fn gateway_error(e: GatewayError) -> ApiError {
 /// `GET /admin/workers`.
 pub async fn list_workers(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
-    let views: Vec<_> = state.engines.read().values().map(|e| e.view(&state)).collect();
+    let ctx = state.engine_context();
+    let views: Vec<_> = state.engines.read().values().map(|e| e.view(&ctx)).collect();
     Ok(Json(json!({ "workers": views })))
 }
 
@@ -44,9 +45,9 @@ pub async fn add_worker(
     let spec: WorkerSpec =
         serde_json::from_value(value).map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     let handle = state.add_engine(&spec).map_err(gateway_error)?;
-    engines::start(&state, &handle);
+    engines::start(&state.engine_context(), &handle);
     tracing::info!(engine = %handle.id, url = %handle.spec.display_url(), "worker added");
-    Ok((StatusCode::CREATED, Json(json!({ "worker": handle.view(&state) }))).into_response())
+    Ok((StatusCode::CREATED, Json(json!({ "worker": handle.view(&state.engine_context()) }))).into_response())
 }
 
 #[derive(Deserialize)]

@@ -134,7 +134,7 @@ pub(crate) async fn parse_off_thread(
 }
 
 fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    let known = state.models.read();
+    let known = state.engines.models();
     match model {
         // Until an engine has reported its models, any name is let through to the engines.
         Some(m) if !known.is_empty() && !known.contains(m) => Err(ApiError::ModelNotFound(m.to_owned())),
@@ -177,7 +177,7 @@ async fn generate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_client(&state, &headers)?;
     let data: Vec<Value> =
-        state.models.read().iter().map(|m| json!({"id": m, "object": "model", "owned_by": "kvgate"})).collect();
+        state.engines.models().iter().map(|m| json!({"id": m, "object": "model", "owned_by": "kvgate"})).collect();
     Ok(Json(json!({"object": "list", "data": data})))
 }
 

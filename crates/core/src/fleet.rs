@@ -258,15 +258,15 @@ impl Fleet {
         self.free_slots.push(slot);
         Ok((slot, dropped))
     }
+}
 
-    /// Pins `prefix` to `owner` (cap one: an existing pin is kept).
-    pub(crate) fn seed(&mut self, prefix: BlockKey, owner: WorkerSlot) {
-        if self.seeds.len() >= MAX_SEEDED_PREFIXES && !self.seeds.contains_key(&prefix) {
-            // Bounded memory: forget one pin (deterministically, the first in table order).
-            if let Some(&old) = self.seeds.keys().next() {
-                self.seeds.remove(&old);
-            }
+/// Pins `prefix` to `owner` in `seeds` (cap one: an existing pin is kept).
+pub(crate) fn seed(seeds: &mut FxHashMap<BlockKey, WorkerSlot>, prefix: BlockKey, owner: WorkerSlot) {
+    if seeds.len() >= MAX_SEEDED_PREFIXES && !seeds.contains_key(&prefix) {
+        // Bounded memory: forget one pin (deterministically, the first in table order).
+        if let Some(&old) = seeds.keys().next() {
+            seeds.remove(&old);
         }
-        self.seeds.entry(prefix).or_insert(owner);
     }
+    seeds.entry(prefix).or_insert(owner);
 }

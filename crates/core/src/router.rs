@@ -8,7 +8,7 @@ use kvgate_protocol::KvEvent;
 use parking_lot::{Mutex, RwLock};
 use rand::RngCore;
 
-use crate::decision::{Decision, FallbackReason, Reason, ScoreTerms, MAX_SCORES};
+use crate::decision::{Decision, FallbackReason, ScoreTerms, MAX_SCORES};
 use crate::error::CoreError;
 use crate::fleet::{Fleet, WorkerConfig, WorkerStatus};
 use crate::hashing::{BlockHasher, Namespace};
@@ -16,8 +16,8 @@ use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 use crate::index::{ApplyStats, KvIndex, KvState};
 use crate::ledger::Work;
 use crate::load::LoadSnapshot;
-use crate::policy::projected::{self, Terms, WorkerLoad};
-use crate::policy::{cache_aware, least_load, Mode, PolicyConfig, PolicyName};
+use crate::policy::projected;
+use crate::policy::{least_load, policy_for, Choice, Choosing, PolicyConfig, Scored, SeedBook};
 use crate::time::Timestamp;
 
 /// Bounds of the fleet's block size, in tokens.
@@ -71,17 +71,6 @@ impl std::fmt::Display for DecideError {
             }
         }
     }
-}
-
-/// One eligible worker during a decision.
-struct Scored {
-    slot: WorkerSlot,
-    load: WorkerLoad,
-    terms: Terms,
-    cached_tokens: u64,
-    raw_blocks: u32,
-    withheld: Option<FallbackReason>,
-    load_problem: Option<FallbackReason>,
 }
 
 /// The routing core.
@@ -303,21 +292,16 @@ impl Router {
         let load_winner =
             least_load::pick(scored.len(), |i| &scored[i].terms, draw).ok_or(DecideError::NoEligibleWorker)?;
 
-        let (chosen, reason, enforce) = match cfg.name {
-            PolicyName::LeastLoad => (load_winner, Reason::LoadOnly, None),
-            PolicyName::Projected => {
-                let (enforce_choice, enforce_reason) = projected_choice(&scored, load_winner, draw, &cfg);
-                match cfg.mode {
-                    Mode::Off => (load_winner, Reason::LoadOnly, None),
-                    Mode::Shadow => (load_winner, Reason::Shadow, Some((enforce_choice, enforce_reason))),
-                    Mode::Enforce => (enforce_choice, enforce_reason, Some((enforce_choice, enforce_reason))),
-                }
-            }
-            PolicyName::CacheAware => {
-                let (choice, reason) = cache_aware_choice(fleet, &scored, req, draw, &cfg, commit);
-                (choice, reason, Some((choice, reason)))
-            }
+        let mut choosing = Choosing {
+            scored: &scored,
+            load_winner,
+            draw,
+            cfg: &cfg,
+            keys: req.keys,
+            routed: &|slot| fleet.workers[slot.index()].as_ref().map_or(0, |w| w.routed),
+            seeds: if commit { SeedBook::Commit(&mut fleet.seeds) } else { SeedBook::Peek(&fleet.seeds) },
         };
+        let Choice { chosen, reason, enforce } = policy_for(cfg.name).choose(&mut choosing);
 
         let winner = &scored[chosen];
         let prefill_tokens = req.prompt_tokens - winner.cached_tokens;
@@ -410,70 +394,6 @@ impl Router {
 pub fn reusable_tokens(blocks: u32, prompt_tokens: u64, block_size: u32) -> u64 {
     let bs = u64::from(block_size.max(1));
     u64::from(blocks).min(prompt_tokens.saturating_sub(1) / bs) * bs
-}
-
-/// The enforce choice of the projected policy and its reason.
-fn projected_choice(scored: &[Scored], load_winner: usize, draw: u64, cfg: &PolicyConfig) -> (usize, Reason) {
-    if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner = crate::policy::argmin(scored.len(), |i| scored[i].terms.projected_s, draw)
-            .expect("non-empty: a load winner exists");
-        let (c, l) = (&scored[cache_winner], &scored[load_winner]);
-        if cache_winner != load_winner && projected::escape_fires((&c.terms, &c.load), (&l.terms, &l.load), cfg) {
-            return (load_winner, Reason::Escape);
-        }
-        return (cache_winner, Reason::CacheAndLoad);
-    }
-    (load_winner, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback))
-}
-
-/// Why no worker earned cache credit, when telemetry is to blame: the withheld reason of the worker
-/// holding the longest prefix, or the fleet-wide load problem when no worker has fresh load.
-fn fallback_reason(scored: &[Scored]) -> Option<FallbackReason> {
-    let withheld = scored
-        .iter()
-        .filter_map(|s| s.withheld.map(|r| (s.raw_blocks, std::cmp::Reverse(r))))
-        .max()
-        .map(|(_, std::cmp::Reverse(r))| r);
-    withheld.or_else(|| {
-        if scored.iter().all(|s| s.load_problem.is_some()) {
-            scored.iter().filter_map(|s| s.load_problem).min()
-        } else {
-            None
-        }
-    })
-}
-
-fn cache_aware_choice(
-    fleet: &mut Fleet,
-    scored: &[Scored],
-    req: &RouteRequest<'_>,
-    draw: u64,
-    cfg: &PolicyConfig,
-    commit: bool,
-) -> (usize, Reason) {
-    let candidates: Vec<cache_aware::Candidate> = scored
-        .iter()
-        .map(|s| cache_aware::Candidate {
-            in_flight: s.load.waiting_requests + s.load.running_requests,
-            routed: fleet.workers[s.slot.index()].as_ref().map_or(0, |w| w.routed),
-            overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
-        })
-        .collect();
-    let prefix = req.keys.first().copied().filter(|_| cfg.distribution_seeding);
-    let seeded =
-        prefix.and_then(|k| fleet.seeds.get(&k)).and_then(|owner| scored.iter().position(|s| s.slot == *owner));
-    let pick = cache_aware::pick(&candidates, req.keys.len(), cfg, seeded, draw).expect("non-empty candidates");
-    if let Some(k) = prefix.filter(|_| commit) {
-        if seeded.is_none() {
-            // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
-            fleet.seeds.remove(&k);
-        }
-        fleet.seed(k, scored[pick.index()].slot);
-    }
-    match pick {
-        cache_aware::Pick::Affinity(i) | cache_aware::Pick::Seeded(i) => (i, Reason::CacheAndLoad),
-        cache_aware::Pick::Balance(i) => (i, fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback)),
-    }
 }
 
 fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> WorkerId) -> Vec<ScoreTerms> {

@@ -21,7 +21,43 @@
 //! counts when one router sends all traffic and also see load from other routers when telemetry does.
 //! Only `synced` workers count as holders, as for every kvgate policy.
 
-use crate::policy::PolicyConfig;
+use crate::decision::Reason;
+use crate::policy::{Choice, Choosing, Policy, PolicyConfig, SeedBook};
+
+/// The `cache_aware` policy, with or without distribution seeding.
+pub(crate) struct CacheAware;
+
+impl Policy for CacheAware {
+    fn choose(&self, c: &mut Choosing<'_>) -> Choice {
+        let scored = c.scored;
+        let candidates: Vec<Candidate> = scored
+            .iter()
+            .map(|s| Candidate {
+                in_flight: s.load.waiting_requests + s.load.running_requests,
+                routed: (c.routed)(s.slot),
+                overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
+            })
+            .collect();
+        let prefix = c.keys.first().copied().filter(|_| c.cfg.distribution_seeding);
+        let seeded = prefix.and_then(|k| c.seeds.get(&k)).and_then(|owner| scored.iter().position(|s| s.slot == owner));
+        let Some(picked) = pick(&candidates, c.keys.len(), c.cfg, seeded, c.draw) else {
+            let (chosen, reason) = super::load_only(c);
+            return Choice { chosen, reason, enforce: Some((chosen, reason)) };
+        };
+        if let (Some(k), SeedBook::Commit(seeds)) = (prefix, &mut c.seeds) {
+            if seeded.is_none() {
+                // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
+                seeds.remove(&k);
+            }
+            crate::fleet::seed(seeds, k, scored[picked.index()].slot);
+        }
+        let (chosen, reason) = match picked {
+            Pick::Affinity(i) | Pick::Seeded(i) => (i, Reason::CacheAndLoad),
+            Pick::Balance(i) => (i, super::fallback_reason(scored).map_or(Reason::LoadOnly, Reason::Fallback)),
+        };
+        Choice { chosen, reason, enforce: Some((chosen, reason)) }
+    }
+}
 
 /// One eligible worker as the cache-aware rule sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

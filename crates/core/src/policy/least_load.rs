@@ -3,7 +3,18 @@
 //! (`peer-policies.md` §1) in spirit, in seconds: queued prefill plus active decode plus this
 //! request's full prefill plus the KV barrier.
 
+use crate::decision::Reason;
 use crate::policy::projected::Terms;
+use crate::policy::{Choice, Choosing, Policy};
+
+/// The `least_load` policy.
+pub(crate) struct LeastLoad;
+
+impl Policy for LeastLoad {
+    fn choose(&self, c: &mut Choosing<'_>) -> Choice {
+        Choice { chosen: c.load_winner, reason: Reason::LoadOnly, enforce: None }
+    }
+}
 
 /// Index of the load-only winner among `n` candidates whose terms `terms_of` gives (ties broken by
 /// `draw`).

@@ -19,7 +19,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use rustc_hash::FxHashMap;
+
+use crate::decision::{FallbackReason, Reason};
 use crate::error::CoreError;
+use crate::ids::{BlockKey, WorkerSlot};
+use projected::{Terms, WorkerLoad};
 
 /// Which policy decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -382,6 +387,102 @@ impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig::projected(Mode::Enforce)
     }
+}
+
+/// One eligible worker as scored for a request: the router builds these under its lock, and a
+/// [`Policy`] chooses among them.
+#[derive(Debug, Clone)]
+pub(crate) struct Scored {
+    pub(crate) slot: WorkerSlot,
+    pub(crate) load: WorkerLoad,
+    pub(crate) terms: Terms,
+    pub(crate) cached_tokens: u64,
+    pub(crate) raw_blocks: u32,
+    pub(crate) withheld: Option<FallbackReason>,
+    pub(crate) load_problem: Option<FallbackReason>,
+}
+
+/// The prefix pins of distribution seeding: changed by a real decision, only read by a preview.
+pub(crate) enum SeedBook<'a> {
+    /// A decision: pins may be made or moved.
+    Commit(&'a mut FxHashMap<BlockKey, WorkerSlot>),
+    /// A preview: pins are read, never changed.
+    Peek(&'a FxHashMap<BlockKey, WorkerSlot>),
+}
+
+impl SeedBook<'_> {
+    fn get(&self, prefix: &BlockKey) -> Option<WorkerSlot> {
+        match self {
+            SeedBook::Commit(m) => m.get(prefix).copied(),
+            SeedBook::Peek(m) => m.get(prefix).copied(),
+        }
+    }
+}
+
+/// What a policy chooses from.
+pub(crate) struct Choosing<'a> {
+    /// The eligible workers, scored.
+    pub(crate) scored: &'a [Scored],
+    /// The load-only winner among them (the escape's target, mode `off`'s choice).
+    pub(crate) load_winner: usize,
+    /// Tie-breaking randomness.
+    pub(crate) draw: u64,
+    /// The policy's knobs.
+    pub(crate) cfg: &'a PolicyConfig,
+    /// The request's block keys.
+    pub(crate) keys: &'a [BlockKey],
+    /// Requests routed so far to a worker.
+    pub(crate) routed: &'a dyn Fn(WorkerSlot) -> u64,
+    /// Distribution seeding's pins.
+    pub(crate) seeds: SeedBook<'a>,
+}
+
+/// What a policy chose, as indices into [`Choosing::scored`].
+pub(crate) struct Choice {
+    /// The worker the request goes to.
+    pub(crate) chosen: usize,
+    /// Why.
+    pub(crate) reason: Reason,
+    /// What mode `enforce` chooses, recorded beside the choice (shadow's counterfactual).
+    pub(crate) enforce: Option<(usize, Reason)>,
+}
+
+/// A routing policy: how one request's worker is chosen from the scored candidates. The router
+/// keeps the locking, the scoring and the ledger; each policy's rule lives in its own file.
+pub(crate) trait Policy {
+    /// Chooses a worker.
+    fn choose(&self, c: &mut Choosing<'_>) -> Choice;
+}
+
+/// The policy of a name.
+pub(crate) fn policy_for(name: PolicyName) -> &'static dyn Policy {
+    match name {
+        PolicyName::LeastLoad => &least_load::LeastLoad,
+        PolicyName::Projected => &projected::Projected,
+        PolicyName::CacheAware => &cache_aware::CacheAware,
+    }
+}
+
+/// Why no worker earned cache credit, when telemetry is to blame: the withheld reason of the worker
+/// holding the longest prefix, or the fleet-wide load problem when no worker has fresh load.
+pub(crate) fn fallback_reason(scored: &[Scored]) -> Option<FallbackReason> {
+    let withheld = scored
+        .iter()
+        .filter_map(|s| s.withheld.map(|r| (s.raw_blocks, std::cmp::Reverse(r))))
+        .max()
+        .map(|(_, std::cmp::Reverse(r))| r);
+    withheld.or_else(|| {
+        if scored.iter().all(|s| s.load_problem.is_some()) {
+            scored.iter().filter_map(|s| s.load_problem).min()
+        } else {
+            None
+        }
+    })
+}
+
+/// The load-only winner, or the reason telemetry gave none of them cache credit.
+pub(crate) fn load_only(c: &Choosing<'_>) -> (usize, Reason) {
+    (c.load_winner, fallback_reason(c.scored).map_or(Reason::LoadOnly, Reason::Fallback))
 }
 
 #[cfg(test)]

@@ -12,7 +12,8 @@
 //! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
 //! or waiting count exceeds the load-only winner's by more than `escape_seconds` / `escape_waiting`.
 
-use crate::policy::{PolicyConfig, KV_BARRIER_MAX_S};
+use crate::decision::Reason;
+use crate::policy::{Choice, Choosing, Mode, Policy, PolicyConfig, KV_BARRIER_MAX_S};
 
 /// What the scorer needs to know about one eligible worker, load already reconciled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,6 +103,37 @@ pub fn escape_fires(
     let (lt, ll) = load_winner;
     ct.queue_s() - lt.queue_s() > cfg.escape_seconds
         || cl.waiting_requests.saturating_sub(ll.waiting_requests) > cfg.escape_waiting
+}
+
+/// The projected policy: the lowest projected seconds, cache credit included, unless the hard
+/// escape fires; in mode `off` the load-only winner, in `shadow` the load-only winner with the
+/// `enforce` choice recorded.
+pub(crate) struct Projected;
+
+impl Policy for Projected {
+    fn choose(&self, c: &mut Choosing<'_>) -> Choice {
+        let enforce = enforce_choice(c);
+        match c.cfg.mode {
+            Mode::Off => Choice { chosen: c.load_winner, reason: Reason::LoadOnly, enforce: None },
+            Mode::Shadow => Choice { chosen: c.load_winner, reason: Reason::Shadow, enforce: Some(enforce) },
+            Mode::Enforce => Choice { chosen: enforce.0, reason: enforce.1, enforce: Some(enforce) },
+        }
+    }
+}
+
+/// The enforce choice and its reason.
+fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
+    let scored = c.scored;
+    if scored.iter().any(|s| s.cached_tokens > 0) {
+        let cache_winner =
+            super::argmin(scored.len(), |i| scored[i].terms.projected_s, c.draw).unwrap_or(c.load_winner);
+        let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
+        if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
+            return (c.load_winner, Reason::Escape);
+        }
+        return (cache_winner, Reason::CacheAndLoad);
+    }
+    super::load_only(c)
 }
 
 #[cfg(test)]

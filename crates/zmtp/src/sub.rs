@@ -16,10 +16,20 @@ use crate::{Endpoint, Limits, SocketType, ZmtpError};
 /// as a ZeroMQ SUB does.
 const QUEUE: usize = 1024;
 
+/// Where a subscriber's messages come from.
+#[derive(Debug)]
+enum Source {
+    /// A connecting socket reads its one connection itself (no task, no channel hop); `None` once
+    /// it failed.
+    Direct(Option<Connection>),
+    /// A binding socket's peers each have a reader task feeding this channel.
+    Fanned(mpsc::Receiver<Result<Message, ZmtpError>>),
+}
+
 /// A subscriber. Dropping it closes its connections (and its listener).
 #[derive(Debug)]
 pub struct SubSocket {
-    rx: mpsc::Receiver<Result<Message, ZmtpError>>,
+    source: Source,
     tasks: Vec<JoinHandle<()>>,
     local: Option<SocketAddr>,
     peers: Arc<AtomicUsize>,
@@ -89,12 +99,12 @@ impl SubSocket {
         let addr = Endpoint::parse(endpoint)?.resolve().await?;
         let stream = TcpStream::connect(addr).await?;
         let conn = subscribe(stream, topic, limits).await?;
-        let (tx, rx) = mpsc::channel(QUEUE);
-        let peers = Arc::new(AtomicUsize::new(0));
-        // Counted from here, so the caller sees the connection as soon as this returns.
-        let counted = PeerCount::new(&peers);
-        let task = tokio::spawn(async move { forward(conn, tx, counted, |e| e).await });
-        Ok(SubSocket { rx, tasks: vec![task], local: None, peers })
+        Ok(SubSocket {
+            source: Source::Direct(Some(conn)),
+            tasks: Vec::new(),
+            local: None,
+            peers: Arc::new(AtomicUsize::new(1)),
+        })
     }
 
     /// Listens on `endpoint` for publishers that connect (vLLM with a `tcp://HOST:PORT` endpoint
@@ -143,7 +153,7 @@ impl SubSocket {
                 });
             }
         });
-        Ok(SubSocket { rx, tasks: vec![task], local: Some(local), peers })
+        Ok(SubSocket { source: Source::Fanned(rx), tasks: vec![task], local: Some(local), peers })
     }
 
     /// The address a binding socket listens on (useful with port 0).
@@ -159,7 +169,20 @@ impl SubSocket {
 
     /// The next message. A connecting socket's error ends it (connect again); a binding socket's
     /// [`ZmtpError::Peer`] errors concern one peer and the socket continues.
+    /// Cancel-safe: a message half received when the future is dropped is completed by the next
+    /// call.
     pub async fn recv(&mut self) -> Result<Message, ZmtpError> {
-        self.rx.recv().await.unwrap_or(Err(ZmtpError::Closed))
+        match &mut self.source {
+            Source::Fanned(rx) => rx.recv().await.unwrap_or(Err(ZmtpError::Closed)),
+            Source::Direct(slot) => {
+                let Some(conn) = slot else { return Err(ZmtpError::Closed) };
+                let received = conn.recv().await;
+                if received.is_err() {
+                    *slot = None;
+                    self.peers.store(0, Ordering::Relaxed);
+                }
+                received
+            }
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! ZMTP 3.0 framing over one TCP connection: greeting, READY handshake, bounded frames.
 
-use bytes::Bytes;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -17,9 +17,17 @@ const FLAG_COMMAND: u8 = 0b100;
 const MAX_COMMAND_BYTES: u64 = 64 << 10;
 
 /// A connection past its handshake, ready to send and receive messages.
+///
+/// Reading is cancel-safe: bytes read but not yet a whole message stay in the connection, so a
+/// [`Connection::recv`] dropped by a `select!` or a timeout loses nothing.
 #[derive(Debug)]
 pub struct Connection {
-    reader: BufReader<OwnedReadHalf>,
+    reader: OwnedReadHalf,
+    /// Bytes received and not yet decoded. It grows only with what the peer really sent.
+    buf: BytesMut,
+    /// Frames of the message being received.
+    partial: Vec<Bytes>,
+    partial_bytes: u64,
     writer: OwnedWriteHalf,
     limits: Limits,
     peer_type: String,
@@ -27,8 +35,11 @@ pub struct Connection {
 
 struct Frame {
     flags: u8,
-    body: Vec<u8>,
+    body: Bytes,
 }
+
+/// Most bytes asked of the socket in one read.
+const READ_CHUNK: usize = 64 << 10;
 
 fn greeting() -> [u8; 64] {
     let mut g = [0u8; 64];
@@ -109,26 +120,6 @@ fn encode_frame(out: &mut Vec<u8>, flags: u8, body: &[u8]) {
     out.extend_from_slice(body);
 }
 
-/// An end of stream in the middle of something is the peer closing.
-fn closed(e: std::io::Error) -> ZmtpError {
-    if e.kind() == std::io::ErrorKind::UnexpectedEof {
-        ZmtpError::Closed
-    } else {
-        ZmtpError::Io(e)
-    }
-}
-
-/// Reads exactly `len` bytes, growing the buffer only as they arrive: an announced length costs
-/// nothing until the peer really sends it.
-async fn read_body(reader: &mut (impl AsyncRead + Unpin), len: u64) -> Result<Vec<u8>, ZmtpError> {
-    let mut body = Vec::with_capacity(len.min(64 << 10) as usize);
-    let got = reader.take(len).read_to_end(&mut body).await.map_err(closed)?;
-    if (got as u64) < len {
-        return Err(ZmtpError::Closed);
-    }
-    Ok(body)
-}
-
 impl Connection {
     /// Greets the peer on `stream` and exchanges READY commands as a `socket` socket, within
     /// [`Limits::handshake_timeout`].
@@ -136,11 +127,21 @@ impl Connection {
         // Messages are small and latency matters more than packet count.
         let _ = stream.set_nodelay(true);
         let (read, writer) = stream.into_split();
-        let mut conn = Connection { reader: BufReader::new(read), writer, limits, peer_type: String::new() };
+        let mut conn = Connection {
+            reader: read,
+            buf: BytesMut::new(),
+            partial: Vec::new(),
+            partial_bytes: 0,
+            writer,
+            limits,
+            peer_type: String::new(),
+        };
         let handshake = async {
             conn.writer.write_all(&greeting()).await?;
+            conn.fill(64).await?;
             let mut theirs = [0u8; 64];
-            conn.reader.read_exact(&mut theirs).await.map_err(closed)?;
+            theirs.copy_from_slice(&conn.buf[..64]);
+            conn.buf.advance(64);
             check_greeting(&theirs)?;
             let mut out = Vec::new();
             encode_frame(&mut out, FLAG_COMMAND, &ready(socket.as_str()));
@@ -168,54 +169,88 @@ impl Connection {
         &self.peer_type
     }
 
-    async fn read_frame(&mut self) -> Result<Frame, ZmtpError> {
-        let flags = self.reader.read_u8().await.map_err(closed)?;
+    /// Reads until at least `n` bytes are buffered. Cancel-safe: what was read stays buffered.
+    async fn fill(&mut self, n: usize) -> Result<(), ZmtpError> {
+        while self.buf.len() < n {
+            self.buf.reserve((n - self.buf.len()).min(READ_CHUNK));
+            if self.reader.read_buf(&mut self.buf).await? == 0 {
+                return Err(ZmtpError::Closed);
+            }
+        }
+        Ok(())
+    }
+
+    /// The next frame if it is all buffered; its header is checked as soon as it is, so a length
+    /// past the limits is refused before its body is waited for.
+    fn decode_frame(&mut self) -> Result<Option<Frame>, ZmtpError> {
+        let Some(&flags) = self.buf.first() else { return Ok(None) };
         if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
             return Err(ZmtpError::Framing(format!("reserved flag bits set ({flags:#04x})")));
         }
+        let header = if flags & FLAG_LONG != 0 { 9 } else { 2 };
+        if self.buf.len() < header {
+            return Ok(None);
+        }
         let len = if flags & FLAG_LONG != 0 {
-            self.reader.read_u64().await.map_err(closed)?
+            u64::from_be_bytes(self.buf[1..9].try_into().expect("eight bytes"))
         } else {
-            u64::from(self.reader.read_u8().await.map_err(closed)?)
+            u64::from(self.buf[1])
         };
         let limit = if flags & FLAG_COMMAND != 0 { MAX_COMMAND_BYTES } else { self.limits.max_frame_bytes };
         if len > limit {
             return Err(ZmtpError::FrameTooLarge { announced: len, limit });
         }
-        let body = read_body(&mut self.reader, len).await?;
-        Ok(Frame { flags, body })
+        // Within the limit, so it fits in memory and in usize.
+        let whole = header + len as usize;
+        if self.buf.len() < whole {
+            return Ok(None);
+        }
+        self.buf.advance(header);
+        Ok(Some(Frame { flags, body: self.buf.split_to(len as usize).freeze() }))
+    }
+
+    /// The next frame, reading as needed (cancel-safe).
+    async fn read_frame(&mut self) -> Result<Frame, ZmtpError> {
+        loop {
+            if let Some(frame) = self.decode_frame()? {
+                return Ok(frame);
+            }
+            self.buf.reserve(READ_CHUNK.min(self.limits.max_frame_bytes as usize + 9));
+            if self.reader.read_buf(&mut self.buf).await? == 0 {
+                return Err(ZmtpError::Closed);
+            }
+        }
     }
 
     /// The next message, skipping the commands between messages (a 3.0 peer sends none after READY;
-    /// a newer one may send PING).
+    /// a newer one may send PING). Cancel-safe: a message half received when the future is dropped
+    /// is completed by the next call.
     pub async fn recv(&mut self) -> Result<Message, ZmtpError> {
-        let mut frames = Vec::new();
-        let mut total = 0u64;
         loop {
             let frame = self.read_frame().await?;
             if frame.flags & FLAG_COMMAND != 0 {
-                if !frames.is_empty() {
+                if !self.partial.is_empty() {
                     return Err(ZmtpError::Framing("a command inside a multi-part message".into()));
                 }
                 continue;
             }
-            total += frame.body.len() as u64;
-            if total > self.limits.max_message_bytes {
+            self.partial_bytes += frame.body.len() as u64;
+            if self.partial_bytes > self.limits.max_message_bytes {
                 return Err(ZmtpError::MessageTooLarge(format!(
                     "over {} bytes in one message",
                     self.limits.max_message_bytes
                 )));
             }
-            if frames.len() >= self.limits.max_frames {
+            if self.partial.len() >= self.limits.max_frames {
                 return Err(ZmtpError::MessageTooLarge(format!(
                     "over {} frames in one message",
                     self.limits.max_frames
                 )));
             }
-            let more = frame.flags & FLAG_MORE != 0;
-            frames.push(Bytes::from(frame.body));
-            if !more {
-                return Ok(frames);
+            self.partial.push(frame.body);
+            if frame.flags & FLAG_MORE == 0 {
+                self.partial_bytes = 0;
+                return Ok(std::mem::take(&mut self.partial));
             }
         }
     }

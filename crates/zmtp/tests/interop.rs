@@ -153,3 +153,28 @@ async fn a_binding_sub_drops_a_lying_peer_and_keeps_serving_the_others() {
     let got = publish_until_received(&mut publisher, &mut sub).await;
     assert_eq!(got[0], Bytes::from_static(b"kv-events"));
 }
+
+#[tokio::test]
+async fn a_receive_cancelled_mid_message_loses_nothing() {
+    // The first frame and half the second arrive, then the rest 300 ms later.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(&peer_opening("PUB")).await.unwrap();
+        let mut msg = vec![0x01, 5];
+        msg.extend_from_slice(b"topic");
+        msg.extend_from_slice(&long_header(600, false));
+        msg.extend_from_slice(&[7; 600]);
+        let (first, rest) = msg.split_at(7 + 9 + 100);
+        s.write_all(first).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(rest).await.unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink).await;
+    });
+    let mut sub = SubSocket::connect(&endpoint, b"", Limits::default()).await.unwrap();
+    assert!(tokio::time::timeout(Duration::from_millis(100), sub.recv()).await.is_err(), "nothing whole yet");
+    let got = tokio::time::timeout(Duration::from_secs(5), sub.recv()).await.unwrap().unwrap();
+    assert_eq!(got, vec![Bytes::from_static(b"topic"), Bytes::from(vec![7u8; 600])]);
+}

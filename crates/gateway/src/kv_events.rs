@@ -440,3 +440,20 @@ async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, KvEventBatc
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::disallowed_methods)] // an arbitrary starting instant
+    fn a_recurring_warning_is_logged_at_most_every_ten_seconds_with_the_count_held_back() {
+        let mut w = WarnLimiter::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(w.allow(t0), Some(0));
+        assert_eq!(w.allow(t0 + Duration::from_secs(1)), None);
+        assert_eq!(w.allow(t0 + Duration::from_secs(9)), None);
+        assert_eq!(w.allow(t0 + WARN_EVERY), Some(2));
+        assert_eq!(w.allow(t0 + WARN_EVERY + Duration::from_millis(1)), None);
+    }
+}

@@ -444,3 +444,17 @@ async fn a_restart_that_repeats_the_last_sequence_number_with_all_blocks_cleared
     assert_eq!(cached_on(&gw, &chat(&old), "a").await, 0, "the cleared prefix earns no credit");
     assert!(cached_on(&gw, &chat(&new), "a").await > 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_event_stream_never_connected_is_not_shown_synced() {
+    let engine = fake_engine().await;
+    let dead = dead_url().await.replace("http://", "tcp://");
+    let toml =
+        format!("[[workers]]\nid = \"a\"\nurl = \"{}\"\nkv_events = \"{dead}\"\nblock_size = 16\n", engine.url());
+    let gw = gateway(&base_toml(&[], &toml)).await;
+    wait_until(&gw, "a failed connect", |s| s.engines.read().values().all(|e| e.stream.view().connect_failures >= 1))
+        .await;
+    let a = stream_view(&gw, "a").await;
+    assert_eq!(a["router"]["kv_state"]["state"], "incomplete", "{a}");
+    assert!(a["router"]["kv_state"]["reason"].as_str().unwrap().contains("down"), "{a}");
+}

@@ -55,11 +55,13 @@ async fn unfinished_bodies_share_one_bounded_buffer() {
     let engine = fake_engine().await;
     let gw = gateway(&base_toml(&[engine.url()], "[server]\nmax_buffered_body_bytes = 100000\n")).await;
     // A slow client announces 80 kB and sends little of it: most of the budget is held.
+    let full = gw.state.body_budget.available_permits();
     let mut slow = TcpStream::connect(gw.addr).await.unwrap();
     slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 80000\r\n\r\n{")
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let held = gw.eventually(Duration::from_secs(10), |s| s.body_budget.available_permits() < full).await;
+    assert!(held, "the slow body holds its share of the budget");
     // A second large body does not fit; a small one does.
     let big = serde_json::json!({"model": "test-model", "messages": [{"role": "user", "content": "x".repeat(40_000)}]});
     let r = gw.post("/v1/chat/completions", &big).await;
@@ -67,7 +69,8 @@ async fn unfinished_bodies_share_one_bounded_buffer() {
     assert_eq!(r.json::<serde_json::Value>().await.unwrap()["error"]["code"], "gateway_out_of_resources");
     assert_eq!(gw.post("/v1/chat/completions", &chat_body(false)).await.status(), 200);
     drop(slow);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let back = gw.eventually(Duration::from_secs(10), |s| s.body_budget.available_permits() == full).await;
+    assert!(back, "a client that leaves gives its share back");
     assert_eq!(gw.post("/v1/chat/completions", &big).await.status(), 200, "the budget comes back");
 }
 

@@ -572,6 +572,23 @@ mod tests {
     }
 
     #[test]
+    fn workers_that_would_collide_are_refused_naming_the_clash() {
+        let refused = |toml: &str, needle: &str| {
+            let err = GatewayConfig::from_toml(toml).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        };
+        refused(
+            "[[workers]]\nurl = \"http://a:1\"\nid = \"x\"\n[[workers]]\nurl = \"http://a:1/\"\nid = \"y\"\n",
+            "two workers have the url",
+        );
+        refused(
+            "[[workers]]\nurl = \"http://a:1\"\nkv_events = \"tcp://e:5557\"\n[[workers]]\nurl = \"http://b:1\"\nkv_events = \"tcp://e:5557\"\n",
+            "both use the KV-event endpoint",
+        );
+        refused("[[workers]]\nurl = \"http://a:1\"\nkv_events = \"tcp://e:65535\"\ndp_size = 2\n", "past 65535");
+    }
+
+    #[test]
     fn dp_size_zero_is_refused() {
         let err = GatewayConfig::from_toml("[[workers]]\nurl = \"http://a:1\"\ndp_size = 0").unwrap_err().to_string();
         assert!(err.contains("dp_size"), "{err}");

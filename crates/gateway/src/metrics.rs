@@ -189,11 +189,6 @@ impl Metrics {
     pub fn engine_counter(family: &Family<EngineLabel, Counter>, engine: &str) -> Counter {
         family.get_or_create(&EngineLabel { engine: engine.to_owned() }).clone()
     }
-
-    /// The in-flight gauge of an engine.
-    pub fn in_flight_of(&self, engine: &str) -> Gauge {
-        self.in_flight.get_or_create(&EngineLabel { engine: engine.to_owned() }).clone()
-    }
 }
 
 /// One engine's metric handles, looked up once at registration so the request path allocates no

@@ -2,7 +2,8 @@
 //! engines: the shortage is the gateway's, so it answers 503 `gateway_out_of_resources` or makes
 //! clients wait, and never takes an engine out of rotation.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -40,18 +41,7 @@ async fn running_out_of_descriptors_blames_no_engine() {
         .stdout(Stdio::null())
         .spawn()
         .expect("bash");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if v["message"] == "kvgate listening" {
-                    let _ = tx.send(v["address"].as_str().unwrap_or_default().to_owned());
-                }
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(20)).expect("kvgate logged its address");
+    let addr = support::listening_address(&mut child);
     let body =
         r#"{"model":"mock-model","max_tokens":200,"stream":true,"messages":[{"role":"user","content":"hello there"}]}"#;
     // Far more streams than 64 descriptors can carry at once.

@@ -1,6 +1,7 @@
 //! `kvgate serve` started as operators start it, in both documented forms.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -13,18 +14,7 @@ fn start(args: &[&str]) -> (Child, String) {
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn kvgate serve");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if v["message"] == "kvgate listening" {
-                    let _ = tx.send(v["address"].as_str().unwrap_or_default().to_owned());
-                }
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(20)).expect("kvgate logged its address");
+    let addr = support::listening_address(&mut child);
     (child, addr)
 }
 

@@ -33,9 +33,11 @@ pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// applied. PUB drops silently above its high-water mark (and before a new subscription is joined),
 /// and a lost last message is otherwise revealed only by the next one.
 pub const IDLE_CATCH_UP: Duration = Duration::from_secs(2);
-/// First and longest waits between reconnect attempts.
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// First wait between reconnect attempts; it doubles with each failure in a row, up to
+/// [`BACKOFF_MAX`], and starts over once a publisher was connected.
+pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest wait between reconnect attempts.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// Counters of one engine's event stream.
 #[derive(Debug, Default)]
@@ -143,6 +145,9 @@ struct Subscriber {
     resync: tokio::sync::watch::Receiver<u64>,
     /// The stream failed since the view was last complete: events may have been missed.
     lost: bool,
+    /// Sessions that got as far as a connected publisher (a reconnect after one starts its backoff
+    /// over).
+    connections: u64,
     warnings: WarnLimiter,
 }
 
@@ -180,13 +185,18 @@ pub async fn run(ctx: EngineContext, engine: Arc<EngineHandle>, cfg: StreamConfi
         tracker: StreamTracker::new(),
         resync,
         lost: false,
+        connections: 0,
         warnings: WarnLimiter::default(),
     };
     let mut backoff = BACKOFF_MIN;
     loop {
+        let connections = sub.connections;
         match sub.session().await {
             Ok(()) => return,
             Err(e) => {
+                if sub.connections > connections {
+                    backoff = BACKOFF_MIN; // it was up: the engine may be back at once
+                }
                 sub.lost = true;
                 let why = format!("KV event stream from {} down: {e}", sub.cfg.endpoint);
                 let _ = sub.ctx.router.set_kv_state(&sub.cfg.worker, KvState::Incomplete(why));
@@ -263,6 +273,7 @@ impl Subscriber {
     /// sequence number), or, without a replay socket, forget what may have been missed while it was
     /// down. Then the view is complete.
     async fn on_connected(&mut self) {
+        self.connections += 1;
         if self.cfg.replay.is_some() {
             self.catch_up().await;
         } else if self.lost {

@@ -157,3 +157,54 @@ async fn credentials_in_a_worker_url_stay_out_of_metrics_admin_and_names() {
         assert!(!text.contains("s3cret") && !text.contains("user:"), "{text}");
     }
 }
+
+/// Sends requests until the engine at `url` is out of rotation; each one still succeeds elsewhere.
+async fn fail_until_ejected(gw: &Gateway, url: &str) -> Value {
+    for i in 0..40 {
+        let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
+        assert_eq!(r.status(), 200, "request {i} is retried on the healthy engine");
+        let workers = gw.get_json("/admin/workers").await;
+        if worker(&workers, url)["healthy"] == false {
+            return worker(&workers, url).clone();
+        }
+    }
+    panic!("40 requests and {url} is still in rotation");
+}
+
+async fn in_rotation(gw: &Gateway, url: &str) -> bool {
+    worker(&gw.get_json("/admin/workers").await, url)["healthy"] == true
+}
+
+/// Moves a paused clock by `d` once nothing is in flight (a request in flight when time jumps would
+/// time out), and lets the health checks that fall due run.
+async fn advance(d: Duration) {
+    real_sleep(Duration::from_millis(20)).await;
+    tokio::time::advance(d).await;
+    real_sleep(Duration::from_millis(50)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ejection_lasts_its_time_and_doubles_when_the_engine_fails_again_on_return() {
+    let _frozen = freeze();
+    let (good, bad) = (fake_engine().await, fake_engine().await);
+    bad.set(|b| b.status = Some(500));
+    let toml = "[telemetry]\noutlier_failures = 2\noutlier_ejection_s = 10\n";
+    let gw = gateway(&base_toml(&[good.url(), bad.url()], toml)).await;
+    let bad_url = bad.url();
+    let first = fail_until_ejected(&gw, &bad_url).await;
+    assert_eq!(first["ejected_for_s"], 10.0, "{first}");
+    assert_eq!(bad.requests(), 2, "ejected after 2 failures in a row");
+    // Its /health says it is fine all along: only the ejection's time brings it back.
+    advance(Duration::from_millis(9_800)).await;
+    assert!(!in_rotation(&gw, &bad.url()).await, "still ejected at 9.8 s");
+    advance(Duration::from_millis(400)).await;
+    real_wait_async("the engine back in rotation after 10 s", || in_rotation(&gw, &bad_url)).await;
+    // It fails again at once: the second ejection in a row lasts twice as long.
+    let second = fail_until_ejected(&gw, &bad.url()).await;
+    assert_eq!(second["ejected_for_s"], 20.0, "{second}");
+    assert_eq!(bad.requests(), 4);
+    advance(Duration::from_millis(10_200)).await;
+    assert!(!in_rotation(&gw, &bad.url()).await, "still ejected at 10.2 s of 20");
+    advance(Duration::from_millis(10_000)).await;
+    real_wait_async("the engine back after 20 s", || in_rotation(&gw, &bad_url)).await;
+}

@@ -1,5 +1,6 @@
-//! Live KV events through real ZMQ sockets: a publisher and a replay ROUTER in the test (same crate
-//! as the gateway's subscriber), the real gateway on port 0, and fake engines for HTTP.
+//! Live KV events through real ZMQ sockets: a publisher (kvgate's own PUB, which says when the
+//! gateway's subscription has arrived) and a replay ROUTER (the `zeromq` crate's) in the test, the
+//! real gateway on port 0, and fake engines for HTTP.
 
 #![allow(clippy::disallowed_methods)]
 
@@ -23,7 +24,7 @@ type History = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
 /// A vLLM-style publisher: PUB for live batches, ROUTER for replays (newer 4-frame layout).
 struct Publisher {
-    pub_socket: zeromq::PubSocket,
+    pub_socket: kvgate_zmtp::PubSocket,
     history: History,
     endpoint: String,
     replay_endpoint: String,
@@ -37,8 +38,8 @@ impl Publisher {
 
     /// A publisher on given endpoints; `None` if one of them is taken.
     async fn start_at(pub_at: &str, replay_at: &str) -> Option<Publisher> {
-        let mut pub_socket = zeromq::PubSocket::new();
-        let endpoint = pub_socket.bind(pub_at).await.ok()?.to_string();
+        let pub_socket = kvgate_zmtp::PubSocket::bind(pub_at, kvgate_zmtp::Limits::default()).await.ok()?;
+        let endpoint = pub_socket.endpoint();
         let mut router = zeromq::RouterSocket::new();
         let replay_endpoint = router.bind(replay_at).await.ok()?.to_string();
         let history: History = Arc::default();
@@ -70,8 +71,15 @@ impl Publisher {
         self.history.lock().push((seq, payload.clone()));
         if !drop_live {
             let m = vec![Bytes::from(self.topic), Bytes::from(seq.to_be_bytes().to_vec()), Bytes::from(payload)];
-            self.pub_socket.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+            assert_eq!(self.pub_socket.send(m), 1, "the gateway is subscribed (wait for `subscribed` first)");
         }
+    }
+
+    /// Waits until the gateway's subscription has arrived: what is published before it is lost, as
+    /// from a real engine's PUB.
+    async fn subscribed(&self) {
+        real_wait(&format!("the gateway's subscription to {}", self.endpoint), || self.pub_socket.subscribers() > 0)
+            .await;
     }
 
     /// A new engine process: history starts again at 0.
@@ -160,7 +168,7 @@ async fn run_stream(drop: &[u64]) -> (usize, Vec<u64>, Json) {
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // let the subscription settle
+    p.subscribed().await;
     let prompts: Vec<String> = (0..4).map(|i| system_prompt(&format!("p{i}x"))).collect();
     let mut seq = 0;
     for (i, text) in prompts.iter().enumerate() {
@@ -203,7 +211,7 @@ async fn a_restart_clears_the_worker_and_rebuilds_it_from_the_new_process() {
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    p.subscribed().await;
     let (old, new) = (system_prompt("old"), system_prompt("new"));
     for seq in 0..3 {
         p.publish(seq, batch(if seq == 0 { vec![stored(&prompt_tokens(&old), 10, None)] } else { vec![] }), false)
@@ -226,7 +234,8 @@ async fn a_malformed_message_is_counted_and_isolated_to_its_worker() {
     let (mut pa, mut pb) = (Publisher::start().await, Publisher::start().await);
     let toml = base_toml(&[], &format!("{}{}", worker_toml("a", &ea.url(), &pa), worker_toml("b", &eb.url(), &pb)));
     let gw = gateway(&toml).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pa.subscribed().await;
+    pb.subscribed().await;
     let text = system_prompt("shared");
     pa.publish(0, vec![0xc1, 0x00, 0x17], false).await;
     pb.publish(0, batch(vec![stored(&prompt_tokens(&text), 1, None)]), false).await;
@@ -248,7 +257,7 @@ async fn admin_decide_reflects_stored_and_removed_blocks() {
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    p.subscribed().await;
     let text = system_prompt("doc");
     let tokens = prompt_tokens(&text);
     let blocks = (tokens.len() / BLOCK) as u64;
@@ -267,7 +276,8 @@ async fn a_stored_prefix_draws_its_requests_to_the_engine_until_that_engine_is_o
     let (pa, mut pb) = (Publisher::start().await, Publisher::start().await);
     let toml = base_toml(&[], &format!("{}{}", worker_toml("a", &ea.url(), &pa), worker_toml("b", &eb.url(), &pb)));
     let gw = gateway(&toml).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pa.subscribed().await;
+    pb.subscribed().await;
     gw.wait_for_load().await;
     let text = system_prompt("hot");
     pb.publish(0, batch(vec![stored(&prompt_tokens(&text), 1, None)]), false).await;
@@ -307,7 +317,8 @@ async fn every_data_parallel_rank_feeds_its_engine_index() {
     let (mut r0, mut r1) = two_ranks().await;
     let toml = base_toml(&[], &format!("{}dp_size = 2\n", worker_toml("a", &engine.url(), &r0)));
     let gw = gateway(&toml).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    r0.subscribed().await;
+    r1.subscribed().await;
     let (t0, t1) = (system_prompt("rank0-"), system_prompt("rank1-"));
     r0.publish(0, batch(vec![stored(&prompt_tokens(&t0), 100, None)]), false).await;
     r1.publish(0, batch(vec![stored(&prompt_tokens(&t1), 900, None)]), false).await;
@@ -335,7 +346,7 @@ async fn the_engines_own_restart_vector_replays_through_real_sockets() {
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    p.subscribed().await;
     let messages = v["frames_hex"].as_array().unwrap();
     let payload = |i: usize| unhex(messages[i][2].as_str().unwrap());
     // 49 tokens: the engine always computes the last prompt token, so the 48 cached ones all count.
@@ -430,7 +441,7 @@ async fn a_restart_that_repeats_the_last_sequence_number_with_all_blocks_cleared
     let engine = fake_engine().await;
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    p.subscribed().await;
     let (old, new) = (system_prompt("before"), system_prompt("after"));
     p.publish(0, batch(vec![stored(&prompt_tokens(&old), 10, None)]), false).await;
     wait_until(&gw, "the old stream", |s| blocks_held(s, "a") > 0).await;
@@ -457,4 +468,148 @@ async fn a_worker_whose_event_stream_never_connected_is_not_shown_synced() {
     let a = stream_view(&gw, "a").await;
     assert_eq!(a["router"]["kv_state"]["state"], "incomplete", "{a}");
     assert!(a["router"]["kv_state"]["reason"].as_str().unwrap().contains("down"), "{a}");
+}
+
+// Time-driven behaviour on a paused clock: the sockets are real, time moves only when advanced.
+
+fn connect_failures(s: &kvgate_gateway::AppState) -> u64 {
+    s.engines.read().values().map(|e| e.stream.view().connect_failures).sum()
+}
+
+fn stream_of(s: &kvgate_gateway::AppState) -> kvgate_gateway::kv_events::StreamView {
+    s.engines.read().values().next().unwrap().stream.view()
+}
+
+fn kv_state(s: &kvgate_gateway::AppState) -> kvgate_core::KvState {
+    s.router.worker_status(&kvgate_core::WorkerId::new("a"), s.clock.now()).unwrap().kv_state
+}
+
+fn is_synced(s: &kvgate_gateway::AppState) -> bool {
+    matches!(kv_state(s), kvgate_core::KvState::Synced)
+}
+
+/// Lets the gateway run for a moment of real time: whatever it does without a timer shows.
+async fn settle() {
+    real_sleep(Duration::from_millis(30)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn reconnects_back_off_from_100_ms_doubling_to_10_s_and_start_over_after_a_connection() {
+    let _frozen = freeze();
+    let engine = fake_engine().await;
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let toml =
+        format!("[[workers]]\nid = \"a\"\nurl = \"{}\"\nkv_events = \"{endpoint}\"\nblock_size = 16\n", engine.url());
+    let gw = gateway(&base_toml(&[], &toml)).await;
+    real_wait("the first refused connect", || connect_failures(&gw.state) == 1).await;
+    let ms = Duration::from_millis;
+    let waits = [100, 200, 400, 800, 1600, 3200, 6400, 10_000, 10_000];
+    assert_eq!(ms(waits[0]), kvgate_gateway::kv_events::BACKOFF_MIN);
+    assert_eq!(ms(waits[8]), kvgate_gateway::kv_events::BACKOFF_MAX);
+    let mut failures = 1;
+    expect_attempts_after(&gw, &mut failures, &waits).await;
+    // The engine comes up: the next attempt connects.
+    let p = Publisher::start_at(&endpoint, "tcp://127.0.0.1:0").await.unwrap();
+    tokio::time::advance(ms(10_002)).await;
+    p.subscribed().await;
+    real_wait("the stream up", || is_synced(&gw.state)).await;
+    // It goes away again: the backoff starts over at 100 ms.
+    drop(p);
+    failures += 1;
+    real_wait("the lost stream", || connect_failures(&gw.state) == failures).await;
+    expect_attempts_after(&gw, &mut failures, &[100, 200]).await;
+}
+
+/// Checks that each reconnect attempt comes exactly `waits[i]` ms after the last one (none 2 ms
+/// before, one 2 ms after), counting them in `failures`.
+async fn expect_attempts_after(gw: &Gateway, failures: &mut u64, waits: &[u64]) {
+    for &wait in waits {
+        tokio::time::advance(Duration::from_millis(wait - 2)).await;
+        settle().await;
+        assert_eq!(connect_failures(&gw.state), *failures, "no attempt before {wait} ms");
+        tokio::time::advance(Duration::from_millis(4)).await;
+        *failures += 1;
+        let expected = *failures;
+        real_wait(&format!("the attempt after {wait} ms"), || connect_failures(&gw.state) == expected).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_last_batch_is_caught_up_after_two_quiet_seconds() {
+    let _frozen = freeze();
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    p.subscribed().await;
+    p.publish(0, batch(vec![stored(&prompt_tokens(&system_prompt("first")), 10, None)]), false).await;
+    real_wait("batch 0", || stream_of(&gw.state).last_seq == Some(0)).await;
+    // The last batch is lost live: no later one reveals the gap.
+    let text = system_prompt("quiet");
+    p.publish(1, batch(vec![stored(&prompt_tokens(&text), 500, None)]), true).await;
+    let quiet = kvgate_gateway::kv_events::IDLE_CATCH_UP;
+    assert_eq!(quiet, Duration::from_secs(2), "as documented in docs/operations.md");
+    tokio::time::advance(quiet - Duration::from_millis(10)).await;
+    settle().await;
+    assert_eq!(stream_of(&gw.state).last_seq, Some(0), "not before {quiet:?} of quiet");
+    tokio::time::advance(Duration::from_millis(20)).await;
+    real_wait("the catch-up", || stream_of(&gw.state).last_seq == Some(1)).await;
+    let view = stream_of(&gw.state);
+    assert_eq!((view.gaps, view.history_lost), (0, 0), "a catch-up is not a gap: {view:?}");
+    assert!(cached_on(&gw, &chat(&text), "a").await > 0, "the caught-up batch is indexed");
+}
+
+/// A replay socket that shakes hands as a ROUTER and then never answers.
+async fn silent_replay_socket() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let _ = s.write_all(&kvgate_zmtp::peer_opening("ROUTER")).await;
+                let mut sink = Vec::new();
+                let _ = s.read_to_end(&mut sink).await;
+            });
+        }
+    });
+    endpoint
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replay_that_never_answers_is_given_up_after_two_seconds_and_the_stream_goes_on() {
+    let _frozen = freeze();
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let silent = silent_replay_socket().await;
+    let toml = worker_toml("a", &engine.url(), &p).replace(&p.replay_endpoint, &silent);
+    let gw = gateway(&base_toml(&[], &toml)).await;
+    p.subscribed().await;
+    let limit = kvgate_gateway::kv_events::REPLAY_TIMEOUT;
+    assert_eq!(limit, Duration::from_secs(2), "as documented in docs/operations.md");
+    let ms = Duration::from_millis;
+    // Even the catch-up on connect asks the silent socket: the view is complete only once it gives up.
+    settle().await;
+    assert!(!is_synced(&gw.state), "{:?}", kv_state(&gw.state));
+    tokio::time::advance(limit + ms(10)).await;
+    real_wait("the first catch-up given up", || is_synced(&gw.state)).await;
+    p.publish(0, batch(vec![stored(&prompt_tokens(&system_prompt("zero")), 10, None)]), false).await;
+    real_wait("batch 0", || stream_of(&gw.state).last_seq == Some(0)).await;
+    // Batch 1 is lost; batch 2 reveals the gap, and the replay asked for never comes.
+    p.publish(1, batch(vec![]), true).await;
+    let text = system_prompt("two");
+    p.publish(2, batch(vec![stored(&prompt_tokens(&text), 900, None)]), false).await;
+    real_wait("the gap", || stream_of(&gw.state).gaps == 1).await;
+    tokio::time::advance(limit - ms(10)).await;
+    settle().await;
+    assert_eq!(stream_of(&gw.state).history_lost, 0, "not given up before {limit:?}");
+    assert!(!is_synced(&gw.state), "incomplete while the replay is awaited: {:?}", kv_state(&gw.state));
+    tokio::time::advance(ms(20)).await;
+    real_wait("the replay given up", || stream_of(&gw.state).history_lost == 1).await;
+    real_wait("the view complete again", || is_synced(&gw.state)).await;
+    assert!(cached_on(&gw, &chat(&text), "a").await > 0, "the batch after the gap is indexed");
+    assert_eq!(
+        cached_on(&gw, &chat(&system_prompt("zero")), "a").await,
+        0,
+        "what came before lost history is forgotten (it can only under-report)"
+    );
 }

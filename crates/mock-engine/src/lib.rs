@@ -126,6 +126,7 @@ pub struct MockEngine {
     pub faults: Arc<Mutex<Faults>>,
     /// Tokens of the block size, for gateways to match.
     pub block_size: u32,
+    publisher: Arc<kvgate_zmtp::PubSocket>,
     tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
 
@@ -141,7 +142,7 @@ impl MockEngine {
         let (batch_tx, batch_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(stepper::Shared::new());
         let faults = Arc::new(Mutex::new(cfg.faults.clone()));
-        let (kv_events, replay) =
+        let sockets =
             events::start(&cfg.host, cfg.kv_port, cfg.replay_port, cfg.format, faults.clone(), batch_rx, clock)
                 .await
                 .map_err(|e| format!("cannot bind the KV event sockets: {e}"))?;
@@ -172,8 +173,9 @@ impl MockEngine {
         });
         Ok(MockEngine {
             url: format!("http://{addr}"),
-            kv_events,
-            replay,
+            kv_events: sockets.pub_endpoint,
+            replay: sockets.replay_endpoint,
+            publisher: sockets.publisher,
             shared,
             commands: cmd_tx,
             faults,
@@ -187,6 +189,12 @@ impl MockEngine {
         for t in self.tasks.lock().drain(..) {
             t.abort();
         }
+    }
+
+    /// Subscribers listening to the KV events now (a gateway counts once its subscription arrived):
+    /// events published before are lost to it, as with a real engine, so tests wait for this.
+    pub fn kv_subscribers(&self) -> usize {
+        self.publisher.subscribers()
     }
 
     /// Prompt tokens admitted and cached so far.

@@ -58,7 +58,7 @@ fn long_prompt(tag: &str) -> String {
 async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
     let es = engines(3, 50.0).await;
     let gw = gateway(&es, "").await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    ready(&gw, &es, 1).await;
     let system = long_prompt("sys");
     let first: Value = post(&gw, &chat(&system, "q1", false)).await.json().await.unwrap();
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
@@ -120,6 +120,17 @@ async fn wait(what: &str, mut f: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// Waits until `gw` is ready to be measured: every engine counts the subscriptions of `gateways`
+/// gateways (a PUB drops what it sends before a subscription arrives), and `gw` has a load report
+/// from each engine.
+async fn ready(gw: &Gw, engines: &[MockEngine], gateways: usize) {
+    wait("every engine's KV subscribers", || engines.iter().all(|e| e.kv_subscribers() >= gateways)).await;
+    wait("a load report from every engine", || {
+        gw.state.router.workers(gw.state.clock.now()).iter().all(|w| w.load_age_ms.is_some())
+    })
+    .await;
+}
+
 fn holder(gw: &Gw) -> Option<String> {
     gw.state.router.workers(gw.state.clock.now()).into_iter().find(|w| w.blocks_held > 0).map(|w| w.id.to_string())
 }
@@ -128,6 +139,7 @@ fn holder(gw: &Gw) -> Option<String> {
 async fn hot_work_leaves_an_overloaded_owner_in_a_51_engine_fleet() {
     let es = engines(51, 20.0).await;
     let gw = gateway(&es, "").await;
+    ready(&gw, &es, 1).await;
     let system = long_prompt("hot");
     // The owner: engine 0 computes the hot prompt, then is stalled with a deep backlog.
     let direct = reqwest::Client::new();
@@ -171,7 +183,7 @@ async fn lost_kv_events_under_traffic_fall_back_to_load_only() {
     let es = engines(2, 50.0).await;
     // No replay endpoint: dropped events are gone for good.
     let gw = gateway_with(&es, "[policy]\nkv_stale_after_ms = 400\n", false).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ready(&gw, &es, 1).await;
     let system = long_prompt("lossy");
     assert_eq!(post(&gw, &chat(&system, "first", false)).await.status(), 200);
     wait("the owner's blocks", || holder(&gw).is_some()).await;
@@ -210,7 +222,7 @@ async fn lost_kv_events_under_traffic_fall_back_to_load_only() {
 async fn an_engine_restart_mid_run_clears_its_cache_credit_until_new_events_arrive() {
     let es = engines(2, 50.0).await;
     let gw = gateway(&es, "").await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ready(&gw, &es, 1).await;
     let (old, new) = (long_prompt("before"), long_prompt("after"));
     assert_eq!(post(&gw, &chat(&old, "q", false)).await.status(), 200);
     wait("the owner's blocks", || holder(&gw).is_some()).await;
@@ -281,7 +293,7 @@ async fn an_engine_restart_mid_run_clears_its_cache_credit_until_new_events_arri
 async fn an_engine_killed_mid_stream_fails_that_stream_and_traffic_moves_on() {
     let es = engines(2, 5.0).await;
     let gw = gateway(&es, "").await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ready(&gw, &es, 1).await;
     let mut body = chat(&long_prompt("kill"), "q", true);
     body["max_tokens"] = json!(400);
     let resp = post(&gw, &body).await;
@@ -309,7 +321,8 @@ async fn an_engine_killed_mid_stream_fails_that_stream_and_traffic_moves_on() {
 async fn two_gateway_replicas_in_front_of_one_fleet_keep_the_load_spread() {
     let es = engines(4, 10.0).await;
     let (a, b) = (gateway(&es, "").await, gateway(&es, "").await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    ready(&a, &es, 2).await;
+    ready(&b, &es, 2).await;
     let system = long_prompt("shared");
     let mut tasks = Vec::new();
     for i in 0..40 {

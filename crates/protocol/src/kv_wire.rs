@@ -8,6 +8,9 @@
 
 use rmpv::Value;
 
+mod encode;
+pub use encode::{encode_payload, live_frames, replay_end_frames, replay_frames, WireFormat};
+
 use crate::kv_events::{is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent, KvEventBatch};
 
 /// The sequence number of a replay's end marker.

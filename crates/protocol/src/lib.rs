@@ -3,13 +3,11 @@
 //! Layout:
 //! - [`kv_events`]: the decoded form of the KV-cache events that vLLM and SGLang publish
 //!   (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), as described in
-//!   `shared/docs/engine-protocols.md` §3–§5. The byte-level decoder that produces these values from
-//!   ZMQ frames lives here too once the live-events work lands; the routing core only ever sees the
-//!   decoded values.
-//!
+//!   `shared/docs/engine-protocols.md` §3–§5; the routing core only ever sees the decoded values.
 //! - [`kv_wire`]: the byte-level decoder for those events: ZMQ frames `[topic, seq, payload]`, replay
 //!   replies in both layouts, the msgpack batch, array and map event forms of every vLLM and SGLang
-//!   version in `engine-protocols.md`, hashes of any integer width or as bytes.
+//!   version in `engine-protocols.md`, hashes of any integer width or as bytes; and beside it the
+//!   encoder that writes the current forms, for the mock engine and for tests.
 //! - [`telemetry`]: engine load reports: SGLang `GET /v1/loads` and the Prometheus `/metrics` text
 //!   of vLLM and SGLang (`engine-protocols.md` §10), parsed into one engine-neutral shape, with what
 //!   the engine says about itself (block size, KV capacity, process start time).

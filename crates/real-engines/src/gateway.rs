@@ -123,6 +123,17 @@ impl Gateway {
         r["decisions"][0]["decision"]["worker"].as_str().map(str::to_owned).context("no decision yet")
     }
 
+    /// Waits until `id`'s load report shows it idle (nothing running or waiting): after requests
+    /// sent to the engine directly, which no reservation of kvgate's reconciles, or before a
+    /// measurement that needs a quiet engine.
+    pub async fn wait_idle(&self, id: &str) -> anyhow::Result<()> {
+        self.wait_for(&format!("{id}'s load report to show it idle"), Duration::from_secs(10), || async {
+            let r = &self.worker(id).await?["router"];
+            Ok(r["running_requests"] == 0 && r["waiting_requests"] == 0)
+        })
+        .await
+    }
+
     /// Polls `check` every 50 ms until it holds or `timeout` passes.
     pub async fn wait_for<F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> anyhow::Result<()>
     where

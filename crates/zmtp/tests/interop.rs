@@ -1,5 +1,5 @@
-//! The bounded sockets against another ZMTP implementation (the `zeromq` crate, as the mock engine
-//! uses it) and against raw TCP peers that lie about lengths.
+//! The bounded sockets against another ZMTP implementation (the `zeromq` crate) and against raw TCP
+//! peers that lie about lengths.
 
 use std::time::Duration;
 
@@ -156,9 +156,10 @@ async fn a_binding_sub_drops_a_lying_peer_and_keeps_serving_the_others() {
 
 #[tokio::test]
 async fn a_receive_cancelled_mid_message_loses_nothing() {
-    // The first frame and half the second arrive, then the rest 300 ms later.
+    // The first frame and half the second arrive; the rest only once the first receive was cancelled.
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let (cancelled, rest_may_go) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
         s.write_all(&peer_opening("PUB")).await.unwrap();
@@ -168,13 +169,77 @@ async fn a_receive_cancelled_mid_message_loses_nothing() {
         msg.extend_from_slice(&[7; 600]);
         let (first, rest) = msg.split_at(7 + 9 + 100);
         s.write_all(first).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        rest_may_go.await.unwrap();
         s.write_all(rest).await.unwrap();
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink).await;
     });
     let mut sub = SubSocket::connect(&endpoint, b"", Limits::default()).await.unwrap();
     assert!(tokio::time::timeout(Duration::from_millis(100), sub.recv()).await.is_err(), "nothing whole yet");
+    cancelled.send(()).unwrap();
     let got = tokio::time::timeout(Duration::from_secs(5), sub.recv()).await.unwrap().unwrap();
     assert_eq!(got, vec![Bytes::from_static(b"topic"), Bytes::from(vec![7u8; 600])]);
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn frames(parts: &[&'static [u8]]) -> Vec<Bytes> {
+    parts.iter().map(|p| Bytes::from_static(p)).collect()
+}
+
+#[tokio::test]
+async fn a_pub_counts_a_subscriber_once_its_subscription_arrived_and_then_loses_nothing() {
+    let publisher = kvgate_zmtp::PubSocket::bind("tcp://127.0.0.1:0", Limits::default()).await.unwrap();
+    assert_eq!(publisher.subscribers(), 0);
+    assert_eq!(publisher.send(frames(&[b"kv-events", b"lost"])), 0, "nobody listens yet");
+    let mut sub = SubSocket::connect(&publisher.endpoint(), b"kv", Limits::default()).await.unwrap();
+    until("the subscription", || publisher.subscribers() == 1).await;
+    // No retry loop: the count is the readiness probe.
+    assert_eq!(publisher.send(frames(&[b"other", b"filtered"])), 0);
+    assert_eq!(publisher.send(frames(&[b"kv-events", b"1"])), 1);
+    let got = tokio::time::timeout(Duration::from_secs(5), sub.recv()).await.unwrap().unwrap();
+    assert_eq!(got, frames(&[b"kv-events", b"1"]));
+    drop(sub);
+    until("the subscriber gone", || publisher.subscribers() == 0).await;
+}
+
+#[tokio::test]
+async fn a_zeromq_sub_subscribes_to_the_pub_and_a_slow_one_never_blocks_it() {
+    let publisher = kvgate_zmtp::PubSocket::bind("tcp://127.0.0.1:0", Limits::default()).await.unwrap();
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&publisher.endpoint()).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    until("the zeromq subscription", || publisher.subscribers() == 1).await;
+    // Far more than the high-water mark, never read meanwhile: sending returns at once each time.
+    for i in 0..5000u32 {
+        publisher.send(vec![Bytes::from_static(b"t"), Bytes::from(i.to_be_bytes().to_vec())]);
+    }
+    let first = tokio::time::timeout(Duration::from_secs(5), sub.recv()).await.unwrap().unwrap().into_vec();
+    assert_eq!(first, vec![Bytes::from_static(b"t"), Bytes::from(0u32.to_be_bytes().to_vec())]);
+}
+
+#[tokio::test]
+async fn a_pub_refuses_a_peer_that_is_not_a_subscriber() {
+    let publisher = kvgate_zmtp::PubSocket::bind("tcp://127.0.0.1:0", Limits::default()).await.unwrap();
+    let mut raw = tokio::net::TcpStream::connect(publisher.local_addr()).await.unwrap();
+    raw.write_all(&peer_opening("PUB")).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut seen = 0;
+    // The publisher answers the greeting, then closes on the incompatible READY.
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut buf)).await {
+        if n == 0 {
+            break;
+        }
+        seen += n;
+    }
+    assert!(seen >= 64, "it greeted first");
+    assert_eq!(publisher.subscribers(), 0);
 }

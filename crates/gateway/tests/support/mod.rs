@@ -181,6 +181,55 @@ pub async fn fake_engine() -> FakeEngine {
     engine
 }
 
+/// Holds a paused runtime's clock still (`#[tokio::test(start_paused = true)]`): while a blocking
+/// task runs, Tokio does not auto-advance time, so the test's real socket I/O completes at one
+/// instant and time moves only by `tokio::time::advance`. Drop it to let the task end.
+pub struct Frozen(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
+
+pub fn freeze() -> Frozen {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    tokio::task::spawn_blocking(move || {
+        let _ = rx.recv();
+    });
+    Frozen(tx)
+}
+
+/// Sleeps in real time without moving a paused clock (a timer would never fire while it is frozen).
+pub async fn real_sleep(d: Duration) {
+    tokio::task::spawn_blocking(move || std::thread::sleep(d)).await.unwrap();
+}
+
+/// Polls `f` in real time, up to 5 s, for tests whose clock is paused.
+pub async fn real_wait(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        real_sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out after 5 s (real time) waiting for {what}");
+}
+
+/// [`real_wait`] for a check that itself awaits (an admin request, say).
+pub async fn real_wait_async<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..1000 {
+        if f().await {
+            return;
+        }
+        real_sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out after 5 s (real time) waiting for {what}");
+}
+
+/// A port where nothing listens now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 /// An address where nothing listens.
 pub async fn dead_url() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -150,11 +150,7 @@ pub async fn cache_credit_equals_the_engines_own_prefix_cache_hits(fleet: Arc<Fl
         // And kvgate routes the same prompt to that engine, once its load report shows it idle: the
         // requests above went to the engine directly, so no reservation of kvgate's reconciles a
         // report taken while the last one still ran.
-        gw.wait_for(&format!("{n}'s load report to show it idle"), Duration::from_secs(10), || async {
-            let r = &gw.worker(n).await?["router"];
-            Ok(r["running_requests"] == 0 && r["waiting_requests"] == 0)
-        })
-        .await?;
+        gw.wait_idle(n).await?;
         let body = &bodies[0];
         let decision = gw.preview(body).await?;
         ensure!(decision["worker"] == n.as_str(), "kvgate would send {n}'s cached prompt elsewhere: {decision}");

@@ -26,7 +26,7 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     // Repeated requests, one at a time: the idle owner wins each.
     for i in 0..5 {
         // A load report taken after the previous request finished, so c is seen idle again.
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        gw.wait_idle("c").await?;
         let body = chat(&system, &format!("sequential question {i}"));
         let r = post(&gw.url, "/v1/chat/completions", &body).await?;
         let served = gw.last_choice().await?;
@@ -34,7 +34,7 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     }
 
     // A burst of 24 at once: c holds 2,048 tokens of KV, so most would queue there.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    gw.wait_idle("c").await?;
     let peak_waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let watcher = {
         let (url, peak) = (c.url(), peak_waiting.clone());
@@ -79,8 +79,8 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     ensure!(on_owner >= 1, "the owner got none of the burst: {served:?}");
     ensure!(on_peers >= 8, "the burst stayed on the owner: {served:?}");
 
-    // The peers computed the prefix themselves: their own events make them owners.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The peers computed the prefix themselves: their own events make them owners (the credit is
+    // read once it has stopped changing).
     let probe = chat(&system, "after the burst");
     for peer in ["a", "b"] {
         if served.get(peer).copied().unwrap_or(0) > 0 {

@@ -57,6 +57,8 @@ pub enum Reason {
     Fallback(FallbackReason),
     /// `shadow`: dispatched as `off`, the enforce choice recorded beside it.
     Shadow,
+    /// A baseline's own rule chose (`round_robin`, `random`, `power_of_two`); its name is the reason.
+    Baseline(crate::PolicyName),
 }
 
 impl Reason {
@@ -71,6 +73,7 @@ impl Reason {
             Reason::Fallback(FallbackReason::Incomplete) => "fallback:incomplete",
             Reason::Fallback(FallbackReason::Invalid) => "fallback:invalid",
             Reason::Shadow => "shadow",
+            Reason::Baseline(name) => name.as_str(),
         }
     }
 }

@@ -220,6 +220,8 @@ pub(crate) struct Fleet {
     free_slots: Vec<WorkerSlot>,
     /// Raw overlap per slot for the decision in progress; kept to avoid an allocation per decision.
     pub(crate) scratch_overlap: Vec<u32>,
+    /// Decisions committed so far (round_robin's turn).
+    pub(crate) turns: u64,
 }
 
 impl Fleet {

@@ -299,6 +299,7 @@ impl Router {
             cfg: &cfg,
             keys: req.keys,
             routed: &|slot| fleet.workers[slot.index()].as_ref().map_or(0, |w| w.routed),
+            turn: fleet.turns,
             seeds: if commit { SeedBook::Commit(&mut fleet.seeds) } else { SeedBook::Peek(&fleet.seeds) },
         };
         let Choice { chosen, reason, enforce } = policy_for(cfg.name).choose(&mut choosing);
@@ -320,6 +321,7 @@ impl Router {
                 state.unanswered_dispatch_since = Some(now);
             }
             fleet.requests.insert(req.id, winner.slot);
+            fleet.turns += 1;
         }
 
         let id_of = |i: usize| fleet.workers[scored[i].slot.index()].as_ref().expect("live").config.id.clone();

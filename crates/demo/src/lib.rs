@@ -209,7 +209,13 @@ pub async fn run_one_on(
         "projected" => ("projected", spec.mode.unwrap_or(kvgate_core::Mode::Enforce).to_string(), false),
         "cache_aware" => ("cache_aware", "enforce".to_string(), false),
         "cache_aware_seeded" => ("cache_aware", "enforce".to_string(), true),
-        other => return Err(format!("the demo runs projected modes and cache_aware(_seeded), not {other}")),
+        baseline @ ("round_robin" | "random" | "power_of_two") => (baseline, "off".to_string(), false),
+        other => {
+            return Err(format!(
+                "the demo runs the gateway's own policies (projected modes, cache_aware, cache_aware_seeded, \
+                 round_robin, random, power_of_two), not {other}: the other peers exist only in the simulator"
+            ))
+        }
     };
     let engines = RunEngines::start(cfg, fleet).await?;
     let toml = format!(

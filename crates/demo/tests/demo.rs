@@ -44,6 +44,18 @@ async fn a_short_demo_serves_every_request_and_enforce_reuses_the_cache() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_runs_are_refused() {
-    let err = run_one(&DemoConfig::default(), "round_robin", Arc::new(AtomicU64::new(0))).await.unwrap_err();
-    assert!(err.contains("round_robin"), "{err}");
+    let err = run_one(&DemoConfig::default(), "dynamo", Arc::new(AtomicU64::new(0))).await.unwrap_err();
+    assert!(err.contains("dynamo") && err.contains("only in the simulator"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_baseline_the_gateway_runs_can_be_demonstrated_too() {
+    let cfg =
+        DemoConfig { workers: 3, duration_s: 2.0, rate: 12.0, min_output: 8, max_output: 16, ..DemoConfig::default() };
+    let rr = run_one(&cfg, "round_robin", Arc::new(AtomicU64::new(0))).await.unwrap();
+    assert_eq!(rr.requests.completed, rr.requests.total, "{:?}", rr.requests);
+    assert_eq!(rr.decisions_by_reason.keys().collect::<Vec<_>>(), vec!["round_robin"]);
+    let per_worker: Vec<u64> = rr.workers.iter().map(|w| w.requests).collect();
+    let (min, max) = (per_worker.iter().min().unwrap(), per_worker.iter().max().unwrap());
+    assert!(max - min <= 1, "each engine in turn: {per_worker:?}");
 }

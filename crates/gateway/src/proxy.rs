@@ -333,6 +333,16 @@ pub async fn dispatch(
     result.map_err(|(e, _)| e)
 }
 
+/// The block keys a request is routed on. Pooling requests (embeddings, rerank, score) leave
+/// nothing in the cache worth following: they get none and are placed by load alone.
+pub(crate) fn routing_keys(state: &AppState, endpoint: Endpoint, parsed: &Parsed) -> Vec<BlockKey> {
+    if endpoint.earns_cache_credit() {
+        state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens)
+    } else {
+        Vec::new()
+    }
+}
+
 /// The request's response, or its error and whether a flight already counted it.
 async fn route(
     state: &Arc<AppState>,
@@ -344,7 +354,7 @@ async fn route(
     if let Some(limit) = state.router.largest_kv_capacity().filter(|&l| prompt_tokens > l) {
         return Err((ApiError::PromptTooLong { tokens: prompt_tokens, limit }, false));
     }
-    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
+    let keys = routing_keys(state, endpoint, &parsed);
     let deadline = state.clock.instant() + state.config.queue_timeout;
     let mut queue = QueueSlot { state, held: false };
     let attempts = state.engines.read().len().clamp(1, MAX_ATTEMPTS);

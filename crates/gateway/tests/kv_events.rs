@@ -295,6 +295,21 @@ async fn a_stored_prefix_draws_its_requests_to_the_engine_until_that_engine_is_o
     assert_eq!((ea.requests(), eb.requests()), (1, 3), "an overloaded owner loses to an idle peer");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooling_request_earns_no_credit_for_a_prompt_the_engine_holds() {
+    let engine = fake_engine().await;
+    let mut p = Publisher::start().await;
+    let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
+    p.subscribed().await;
+    let text = system_prompt("pooled");
+    p.publish(0, batch(vec![stored(&BuiltinTokenizer::encode(&text), 10, None)]), false).await;
+    wait_until(&gw, "the store", |s| blocks_held(s, "a") > 0).await;
+    gw.wait_for_load().await;
+    assert!(cached_on(&gw, &json!({"prompt": text}), "a").await > 0, "a completion of the text is credited");
+    assert_eq!(cached_on(&gw, &json!({"input": text}), "a").await, 0, "its embedding is not");
+    assert_eq!(cached_on(&gw, &json!({"query": text, "documents": ["d"]}), "a").await, 0, "nor a rerank");
+}
+
 fn port_of(endpoint: &str) -> u16 {
     endpoint.rsplit_once(':').unwrap().1.parse().unwrap()
 }

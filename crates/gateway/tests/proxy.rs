@@ -280,6 +280,30 @@ async fn policy_mode_and_knobs_change_at_runtime_and_bad_values_change_nothing()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_baseline_policy_can_be_switched_on_at_runtime_to_ab_the_fleet_and_off_again() {
+    let engines = [fake_engine().await, fake_engine().await, fake_engine().await];
+    let gw = gateway(&base_toml(&engines.iter().map(|e| e.url()).collect::<Vec<_>>(), "")).await;
+    gw.wait_for_load().await;
+    let put = |v: Value| gw.client.put(gw.url("/admin/policy")).json(&v).send();
+    assert_eq!(put(json!({"name": "round_robin"})).await.unwrap().status(), 200);
+    let p = gw.get_json("/admin/policy").await;
+    assert_eq!((p["name"].as_str(), p["mode"].as_str()), (Some("round_robin"), Some("off")));
+    for _ in 0..6 {
+        assert_eq!(gw.post("/v1/chat/completions", &chat_body(false)).await.status(), 200);
+    }
+    let served: Vec<usize> = engines.iter().map(FakeEngine::requests).collect();
+    assert_eq!(served, [2, 2, 2], "each engine in turn");
+    let log = gw.get_json("/admin/decisions?limit=6").await;
+    assert!(log["decisions"].as_array().unwrap().iter().all(|d| d["decision"]["reason"] == "round_robin"), "{log}");
+    let metrics = gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("reason=\"round_robin\""), "decisions are counted by the baseline's reason");
+    let (s, b) = status_of(put(json!({"name": "power_of_two", "mode": "enforce"})).await.unwrap()).await;
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(put(json!({"name": "projected"})).await.unwrap().status(), 200);
+    assert_eq!(gw.get_json("/admin/policy").await["mode"], "enforce", "back to the projected policy's default mode");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_can_be_added_and_removed_at_runtime() {
     let a = fake_engine().await;
     let b = fake_engine().await;

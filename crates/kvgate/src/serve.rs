@@ -39,7 +39,8 @@ pub struct ServeArgs {
     /// Replay port of every engine with KV events but without its own replay.
     #[arg(long, env = "KVGATE_REPLAY_PORT")]
     replay_port: Option<u16>,
-    /// Policy: projected, least_load or cache_aware [default: projected].
+    /// Policy: projected, least_load, cache_aware, or a baseline to A/B against: round_robin,
+    /// random, power_of_two [default: projected].
     #[arg(long, env = "KVGATE_POLICY")]
     policy: Option<String>,
     /// Mode of the projected policy: off, shadow or enforce [default: enforce].

@@ -30,8 +30,9 @@ pub struct SimArgs {
     /// Trace file for mooncake (JSONL) and azure (CSV) replays.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Policy: round_robin, random, smg_least_load, power_of_two, cache_aware, cache_aware_seeded,
-    /// sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or projected:off|shadow|enforce).
+    /// Policy: round_robin, random, power_of_two (the gateway's), smg_least_load, smg_power_of_two,
+    /// cache_aware, cache_aware_seeded, sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or
+    /// projected:off|shadow|enforce).
     #[arg(long, default_value = "projected")]
     policy: String,
     /// Mode of the projected policy.

@@ -7,6 +7,9 @@ use serde_json::Value;
 
 use crate::{PromptTokenizer, TokenizeError};
 
+mod pooling;
+mod responses;
+
 /// A request body that is not a valid request, naming the field at fault where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
@@ -23,7 +26,7 @@ impl RequestError {
         RequestError { param: Some(param.to_owned()), message: message.into() }
     }
 
-    fn whole(message: impl Into<String>) -> Self {
+    pub(crate) fn whole(message: impl Into<String>) -> Self {
         RequestError { param: None, message: message.into() }
     }
 }
@@ -40,27 +43,68 @@ pub enum Endpoint {
     Completions,
     /// SGLang's `POST /generate`.
     Generate,
+    /// OpenAI's Responses API, `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /v1/rerank` (vLLM and SGLang; Cohere/Jina shape).
+    Rerank,
+    /// SGLang's `POST /v1/score`.
+    Score,
 }
 
 impl Endpoint {
     /// Every inference route.
-    pub const ALL: [Endpoint; 3] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Generate];
+    pub const ALL: [Endpoint; 7] = [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Generate,
+        Endpoint::Responses,
+        Endpoint::Embeddings,
+        Endpoint::Rerank,
+        Endpoint::Score,
+    ];
 
-    /// The path on the engine.
+    /// The path on the gateway and on the engine.
     pub fn path(self) -> &'static str {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Generate => "/generate",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Rerank => "/v1/rerank",
+            Endpoint::Score => "/v1/score",
         }
+    }
+
+    /// Whether the engine keeps this request's prompt in its prefix cache for later requests to
+    /// reuse, so that routing it to a cache owner pays. Pooling requests (embeddings, rerank, score)
+    /// generate nothing and are placed by load alone.
+    pub fn earns_cache_credit(self) -> bool {
+        matches!(self, Endpoint::Chat | Endpoint::Completions | Endpoint::Generate | Endpoint::Responses)
+    }
+
+    /// Whether a request on this route may ask for a stream.
+    pub fn can_stream(self) -> bool {
+        self.earns_cache_credit()
     }
 
     /// Guesses the route of a bare body (for `POST /admin/decide`).
     pub fn infer(body: &Value) -> Endpoint {
-        if body.get("messages").is_some() {
+        let has = |k: &str| body.get(k).is_some();
+        if has("messages") {
             Endpoint::Chat
-        } else if body.get("prompt").is_some() {
+        } else if has("prompt") {
             Endpoint::Completions
+        } else if has("query") && has("documents") {
+            Endpoint::Rerank
+        } else if has("query") && has("items") {
+            Endpoint::Score
+        } else if has("input") && (has("instructions") || has("max_output_tokens") || has("stream")) {
+            Endpoint::Responses
+        } else if has("input") {
+            Endpoint::Embeddings
         } else {
             Endpoint::Generate
         }
@@ -108,7 +152,7 @@ fn opt_count(obj: &Value, key: &str) -> Result<Option<u64>, RequestError> {
     }
 }
 
-fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
+pub(crate) fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
     let bad = || RequestError::invalid(param, format!("`{param}` token ids must be integers from 0 to {}", u32::MAX));
     v.as_array()
         .ok_or_else(bad)?
@@ -130,7 +174,7 @@ pub fn parse(
     }
     let model = opt_str(body, "model")?.map(str::to_owned);
     let cache_salt = opt_str(body, "cache_salt")?.filter(|s| !s.is_empty()).map(str::to_owned);
-    let stream = opt_bool(body, "stream")?;
+    let stream = opt_bool(body, "stream")? && endpoint.can_stream();
     // Engines add the tokenizer's special tokens (BOS) to raw prompts unless told not to.
     let add_special = match body.get("add_special_tokens") {
         None | Some(Value::Null) => true,
@@ -210,6 +254,16 @@ pub fn parse(
             };
             (tokens, max)
         }
+        Endpoint::Responses => {
+            let chat = responses::as_chat(body)?;
+            let has_messages = chat["messages"].as_array().is_some_and(|m| !m.is_empty());
+            // Only tool outputs for a stored conversation: the prompt is the engine's, unseen here.
+            let tokens = if has_messages { tokenizer.encode_chat(&chat).map_err(tokenize_err)? } else { Vec::new() };
+            (tokens, opt_count(body, "max_output_tokens")?)
+        }
+        Endpoint::Embeddings => (pooling::embeddings(body, tokenizer, add_special)?, Some(0)),
+        Endpoint::Rerank => (pooling::rerank(body, tokenizer, add_special)?, Some(0)),
+        Endpoint::Score => (pooling::score(body, tokenizer, add_special)?, Some(0)),
     };
     Ok(Parsed { tokens, max_tokens: max_tokens.unwrap_or(default_max_tokens), stream, model, cache_salt })
 }
@@ -243,6 +297,44 @@ mod tests {
     }
 
     #[test]
+    fn pooling_routes_count_every_input_and_generate_nothing() {
+        let enc = |t: &str| BuiltinTokenizer::encode(t);
+        let e = p(Endpoint::Embeddings, json!({"input": ["one two", "three"], "stream": true})).unwrap();
+        assert_eq!((e.tokens.len(), e.max_tokens, e.stream), (3, 0, false));
+        assert_eq!(p(Endpoint::Embeddings, json!({"input": [[1, 2], [3]]})).unwrap().tokens, vec![1, 2, 3]);
+        assert_eq!(p(Endpoint::Embeddings, json!({"input": [7, 8]})).unwrap().tokens, vec![7, 8]);
+        let r = p(Endpoint::Rerank, json!({"query": "q", "documents": ["a b", {"text": "c"}]})).unwrap();
+        assert_eq!(r.tokens.len(), 2 * enc("q").len() + enc("a b").len() + enc("c").len());
+        let s = p(Endpoint::Score, json!({"query": [1, 2], "items": [[3], [4, 5]]})).unwrap();
+        assert_eq!(s.tokens, vec![1, 2, 3, 1, 2, 4, 5]);
+        for e in [Endpoint::Embeddings, Endpoint::Rerank, Endpoint::Score] {
+            assert!(!e.earns_cache_credit() && !e.can_stream());
+        }
+    }
+
+    #[test]
+    fn a_responses_request_is_tokenized_as_the_chat_it_carries() {
+        let r = p(
+            Endpoint::Responses,
+            json!({"instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                   {"type": "function_call_output", "call_id": "c", "output": "42"}], "max_output_tokens": 7, "stream": true}),
+        )
+        .unwrap();
+        let chat = p(
+            Endpoint::Chat,
+            json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}),
+        )
+        .unwrap();
+        assert_eq!((r.tokens, r.max_tokens, r.stream), (chat.tokens, 7, true));
+        let plain = p(Endpoint::Responses, json!({"input": "hello"})).unwrap();
+        assert!(!plain.tokens.is_empty());
+        assert!(Endpoint::Responses.earns_cache_credit());
+        assert_eq!(Endpoint::infer(&json!({"input": "x", "stream": true})), Endpoint::Responses);
+        assert_eq!(Endpoint::infer(&json!({"input": "x"})), Endpoint::Embeddings);
+        assert_eq!(Endpoint::infer(&json!({"query": "x", "documents": []})), Endpoint::Rerank);
+    }
+
+    #[test]
     fn malformed_requests_name_the_field() {
         let param = |e: Endpoint, v: Value| match p(e, v) {
             Err(RequestError { param, .. }) => param,
@@ -263,6 +355,17 @@ mod tests {
         assert_eq!(param(Endpoint::Completions, json!({"prompt": [1, -2]})), Some("prompt".into()));
         assert_eq!(param(Endpoint::Completions, json!({})), Some("prompt".into()));
         assert_eq!(param(Endpoint::Generate, json!({})), Some("text".into()));
+        assert_eq!(param(Endpoint::Embeddings, json!({"input": []})), Some("input".into()));
+        assert_eq!(param(Endpoint::Embeddings, json!({"input": [true]})), Some("input".into()));
+        assert_eq!(
+            param(Endpoint::Rerank, json!({"query": "q", "documents": [{"title": "t"}]})),
+            Some("documents[0]".into())
+        );
+        assert_eq!(param(Endpoint::Rerank, json!({"documents": ["d"]})), Some("query".into()));
+        assert_eq!(param(Endpoint::Score, json!({"query": "q"})), Some("items".into()));
+        assert_eq!(param(Endpoint::Responses, json!({"input": 3})), Some("input".into()));
+        assert_eq!(param(Endpoint::Responses, json!({"input": [{"content": "x"}]})), Some("input[0]".into()));
+        assert_eq!(param(Endpoint::Responses, json!({"input": "x", "instructions": 1})), Some("instructions".into()));
         assert!(matches!(p(Endpoint::Chat, json!([1])), Err(RequestError { param: None, .. })));
     }
 }

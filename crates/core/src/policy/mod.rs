@@ -5,13 +5,18 @@
 //!   escape to the load-only winner.
 //! - [`cache_aware`]: the SMG event-driven cache-aware baseline, optionally with cap-one distribution
 //!   seeding. Seeding lives only here: the projected policy never seeds.
+//! - [`round_robin`], [`random`], [`power_of_two`]: the baselines users compare with, without cache
+//!   credit, so that one gateway can A/B them on a real fleet.
 //!
 //! Every knob has documented bounds ([`KNOBS`]); [`PolicyConfig::validate`] rejects values outside
 //! them with a message that names the knob and its range.
 
 pub mod cache_aware;
 pub mod least_load;
+pub mod power_of_two;
 pub mod projected;
+pub mod random;
+pub mod round_robin;
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,7 +32,7 @@ use crate::ids::{BlockKey, WorkerSlot};
 use projected::{Terms, WorkerLoad};
 
 /// Which policy decides.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyName {
     /// Projected seconds without cache credit.
@@ -36,6 +41,24 @@ pub enum PolicyName {
     Projected,
     /// SMG's event-driven cache-aware rule (a baseline).
     CacheAware,
+    /// Each worker in turn (a baseline).
+    RoundRobin,
+    /// A worker drawn uniformly (a baseline).
+    Random,
+    /// The less loaded of two workers drawn at random (a baseline).
+    PowerOfTwo,
+}
+
+impl PolicyName {
+    /// Every policy, in the order `--help` lists them.
+    pub const ALL: [PolicyName; 6] = [
+        PolicyName::Projected,
+        PolicyName::LeastLoad,
+        PolicyName::CacheAware,
+        PolicyName::RoundRobin,
+        PolicyName::Random,
+        PolicyName::PowerOfTwo,
+    ];
 }
 
 impl PolicyName {
@@ -45,13 +68,16 @@ impl PolicyName {
             PolicyName::LeastLoad => "least_load",
             PolicyName::Projected => "projected",
             PolicyName::CacheAware => "cache_aware",
+            PolicyName::RoundRobin => "round_robin",
+            PolicyName::Random => "random",
+            PolicyName::PowerOfTwo => "power_of_two",
         }
     }
 
-    /// The mode a policy runs in when none is configured.
+    /// The mode a policy runs in when none is configured (and, but for projected, always).
     pub fn default_mode(self) -> Mode {
         match self {
-            PolicyName::LeastLoad => Mode::Off,
+            PolicyName::LeastLoad | PolicyName::RoundRobin | PolicyName::Random | PolicyName::PowerOfTwo => Mode::Off,
             PolicyName::Projected | PolicyName::CacheAware => Mode::Enforce,
         }
     }
@@ -67,14 +93,10 @@ impl FromStr for PolicyName {
     type Err = CoreError;
 
     fn from_str(s: &str) -> Result<Self, CoreError> {
-        match s {
-            "least_load" => Ok(PolicyName::LeastLoad),
-            "projected" => Ok(PolicyName::Projected),
-            "cache_aware" => Ok(PolicyName::CacheAware),
-            other => Err(CoreError::InvalidPolicy(format!(
-                "unknown policy {other:?}: expected one of least_load, projected, cache_aware"
-            ))),
-        }
+        PolicyName::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| {
+            let names: Vec<&str> = PolicyName::ALL.iter().map(|p| p.as_str()).collect();
+            CoreError::InvalidPolicy(format!("unknown policy {s:?}: expected one of {}", names.join(", ")))
+        })
     }
 }
 
@@ -304,8 +326,7 @@ impl PolicyConfig {
         }
         match (self.name, self.mode) {
             (PolicyName::Projected, _) => Ok(()),
-            (PolicyName::LeastLoad, Mode::Off) => Ok(()),
-            (PolicyName::CacheAware, Mode::Enforce) => Ok(()),
+            (name, mode) if mode == name.default_mode() => Ok(()),
             (name, mode) => Err(CoreError::InvalidPolicy(format!(
                 "mode {mode} applies to the projected policy; {name} always runs in mode {}",
                 name.default_mode()
@@ -433,6 +454,8 @@ pub(crate) struct Choosing<'a> {
     pub(crate) keys: &'a [BlockKey],
     /// Requests routed so far to a worker.
     pub(crate) routed: &'a dyn Fn(WorkerSlot) -> u64,
+    /// Decisions this router has committed so far.
+    pub(crate) turn: u64,
     /// Distribution seeding's pins.
     pub(crate) seeds: SeedBook<'a>,
 }
@@ -460,6 +483,9 @@ pub(crate) fn policy_for(name: PolicyName) -> &'static dyn Policy {
         PolicyName::LeastLoad => &least_load::LeastLoad,
         PolicyName::Projected => &projected::Projected,
         PolicyName::CacheAware => &cache_aware::CacheAware,
+        PolicyName::RoundRobin => &round_robin::RoundRobin,
+        PolicyName::Random => &random::Random,
+        PolicyName::PowerOfTwo => &power_of_two::PowerOfTwo,
     }
 }
 

@@ -7,7 +7,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvgate_core::{Namespace, PolicyPatch, RequestId, RouteRequest, WorkerId};
+use kvgate_core::{PolicyPatch, RequestId, RouteRequest, WorkerId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -147,7 +147,7 @@ pub async fn decide(
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     let (endpoint, _, parsed) = admin_request(&state, &headers, body).await?;
-    let keys = state.router.request_keys(Namespace::new(None, parsed.cache_salt.as_deref()), &parsed.tokens);
+    let keys = crate::proxy::routing_keys(&state, endpoint, &parsed);
     let route = RouteRequest {
         id: RequestId(0),
         keys: &keys,

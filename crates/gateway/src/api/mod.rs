@@ -24,10 +24,16 @@ use request::Endpoint;
 
 /// The gateway's routes.
 pub fn routes(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/generate", post(generate))
+    let mut router = Router::new();
+    for endpoint in Endpoint::ALL {
+        router = router.route(
+            endpoint.path(),
+            post(move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| {
+                infer(state, endpoint, headers, body)
+            }),
+        );
+    }
+    router
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/ready", get(ready))
@@ -43,7 +49,16 @@ pub fn routes(state: Arc<AppState>) -> Router {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::NotFound(format!("no route for {} {}", req.method(), req.uri().path()))
+    let (method, path) = (req.method(), req.uri().path());
+    if path.starts_with("/v1/") {
+        // As OpenAI words it, with what kvgate does serve.
+        let served: Vec<&str> = Endpoint::ALL.iter().map(|e| e.path()).filter(|p| p.starts_with("/v1/")).collect();
+        return ApiError::NotFound(format!(
+            "Invalid URL ({method} {path}): kvgate serves POST {} and GET /v1/models",
+            served.join(", ")
+        ));
+    }
+    ApiError::NotFound(format!("no route for {method} {path}"))
 }
 
 /// The bearer token or `x-api-key` header.
@@ -160,18 +175,6 @@ async fn infer(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
             e.into_response()
         }
     }
-}
-
-async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    infer(state, Endpoint::Chat, headers, body).await
-}
-
-async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    infer(state, Endpoint::Completions, headers, body).await
-}
-
-async fn generate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    infer(state, Endpoint::Generate, headers, body).await
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {

@@ -143,9 +143,37 @@ async fn inference(engine: FakeEngine, path: &str, body: Bytes) -> Response {
         ("/v1/completions", true) => stream_events(&b, recorded_stream("completions_completion.streaming.1")),
         ("/generate", true) => stream_events(&b, "data: {\"text\":\"a\"}\n\ndata: {\"text\":\"ab\"}\n\ndata: [DONE]\n\n".into()),
         ("/generate", false) => Json(json!({"text": "ok", "meta_info": {"prompt_tokens": 3}})).into_response(),
+        ("/v1/responses", true) => stream_events(&b, RESPONSES_STREAM.into()),
+        ("/v1/responses", false) => Json(json!({"id": "resp_1", "object": "response", "status": "completed",
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hello"}]}]}))
+        .into_response(),
+        ("/v1/embeddings", _) => Json(json!({"object": "list", "model": "test-model",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}}))
+        .into_response(),
+        ("/v1/rerank", _) => Json(json!({"id": "rerank-1", "model": "test-model",
+            "results": [{"index": 1, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.1}]}))
+        .into_response(),
+        ("/v1/score", _) => Json(json!({"scores": [[0.7, 0.3]], "model": "test-model"})).into_response(),
         _ => Json(json!({"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]})).into_response(),
     }
 }
+
+/// The inference routes a fake engine answers.
+pub const INFERENCE_PATHS: [&str; 7] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+];
+
+/// A Responses API stream as vLLM sends one: named events, each with its JSON.
+pub const RESPONSES_STREAM: &str = "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0}\n\n\
+event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hel\",\"sequence_number\":1}\n\n\
+event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"lo\",\"sequence_number\":2}\n\n\
+event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":3}\n\n";
 
 /// Starts a fake engine on 127.0.0.1:0.
 pub async fn fake_engine() -> FakeEngine {
@@ -155,10 +183,14 @@ pub async fn fake_engine() -> FakeEngine {
         behavior: Arc::new(Mutex::new(Behavior::default())),
         received: Arc::new(Mutex::new(Vec::new())),
     };
-    let app = Router::new()
-        .route("/v1/chat/completions", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/v1/chat/completions", body).await }))
-        .route("/v1/completions", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/v1/completions", body).await }))
-        .route("/generate", post(|State(e): State<FakeEngine>, body: Bytes| async move { inference(e, "/generate", body).await }))
+    let mut app = Router::new();
+    for path in INFERENCE_PATHS {
+        app = app.route(
+            path,
+            post(move |State(e): State<FakeEngine>, body: Bytes| async move { inference(e, path, body).await }),
+        );
+    }
+    let app = app
         .route("/health", get(|State(e): State<FakeEngine>| async move { if e.behavior.lock().healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE } }))
         .route("/v1/models", get(|State(e): State<FakeEngine>| async move {
             let models: Vec<Value> = e.behavior.lock().models.iter().map(|m| json!({"id": m, "object": "model"})).collect();

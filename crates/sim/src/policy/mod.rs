@@ -5,8 +5,8 @@
 //! |---|---|---|
 //! | `projected` (`:off`, `:shadow`, `:enforce`) | kvgate's core, projected policy | `core_backed.rs` |
 //! | `cache_aware`, `cache_aware_seeded` | SMG cache_aware, event-driven, via the core | `core_backed.rs` |
-//! | `round_robin`, `random` | SMG §9 | `simple.rs` |
-//! | `smg_least_load`, `power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, §2 | `simple.rs` |
+//! | `round_robin`, `random`, `power_of_two` | kvgate's core baselines, as the gateway runs them (SMG §9; §2 scored with kvgate's load-only seconds) | `core_backed.rs` |
+//! | `smg_least_load`, `smg_power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, and §1 on a random pair §2 | `simple.rs` |
 //! | `sglang_v04`, `aibrix`, `lmetric` | approximate prefix trees §4, §7, §8 | `approx.rs` |
 //! | `dynamo`, `llm_d` | exact-event KV indexes §5, §6 | `exact.rs` |
 
@@ -116,8 +116,9 @@ pub trait SimPolicy {
 pub const POLICY_NAMES: &[&str] = &[
     "round_robin",
     "random",
-    "smg_least_load",
     "power_of_two",
+    "smg_least_load",
+    "smg_power_of_two",
     "cache_aware",
     "cache_aware_seeded",
     "sglang_v04",
@@ -186,10 +187,13 @@ pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Resu
             };
             Box::new(core_backed::CorePolicy::new(fleet, cfg)?)
         }
-        "round_robin" => Box::new(simple::RoundRobin::default()),
-        "random" => Box::new(simple::Random),
+        "round_robin" | "random" | "power_of_two" => {
+            let name: kvgate_core::PolicyName =
+                spec.name.parse().map_err(|e: kvgate_core::CoreError| SimError::Config(e.to_string()))?;
+            Box::new(core_backed::CorePolicy::new(fleet, PolicyConfig::new(name))?)
+        }
         "smg_least_load" => Box::new(simple::SmgLeastLoad::new(false)),
-        "power_of_two" => Box::new(simple::SmgLeastLoad::new(true)),
+        "smg_power_of_two" => Box::new(simple::SmgLeastLoad::new(true)),
         "sglang_v04" => Box::new(approx::SglangV04::new(fleet)),
         "aibrix" => Box::new(approx::Aibrix::new(fleet)),
         "lmetric" => Box::new(approx::Lmetric::new(fleet)),

@@ -1,51 +1,12 @@
-//! Baselines without prefix knowledge: SMG `round_robin`, `random` (§9), `least_load` (expected
-//! wait, §1) and `power_of_two` (§2).
+//! SMG's load baselines without prefix knowledge, as SMG scores them: `least_load` (expected wait,
+//! §1; `smg_least_load` here) and `power_of_two` (§2; `smg_power_of_two` here). `round_robin`,
+//! `random` and kvgate's `power_of_two` run the core's own policies (`core_backed.rs`).
 
 use kvgate_core::Timestamp;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::{argmin_set, healthy, uniform, Pick, PolicyRequest, SimPolicy, WorkerView};
-
-/// `healthy[c mod |healthy|]`, `c += 1`.
-#[derive(Debug, Default)]
-pub struct RoundRobin {
-    counter: usize,
-}
-
-impl SimPolicy for RoundRobin {
-    fn decide(
-        &mut self,
-        _req: &PolicyRequest<'_>,
-        view: &[WorkerView],
-        _now: Timestamp,
-        _rng: &mut ChaCha8Rng,
-    ) -> Option<Pick> {
-        let h = healthy(view);
-        if h.is_empty() {
-            return None;
-        }
-        let w = h[self.counter % h.len()];
-        self.counter += 1;
-        Some(Pick::of(w))
-    }
-}
-
-/// Uniform over healthy workers.
-#[derive(Debug, Default)]
-pub struct Random;
-
-impl SimPolicy for Random {
-    fn decide(
-        &mut self,
-        _req: &PolicyRequest<'_>,
-        view: &[WorkerView],
-        _now: Timestamp,
-        rng: &mut ChaCha8Rng,
-    ) -> Option<Pick> {
-        uniform(&healthy(view), rng).map(Pick::of)
-    }
-}
 
 /// SMG defaults (code = CLI): λ 0.15 s, p̄ 1024 tokens, T_def 2000 tok/s.
 const LAMBDA_S: f64 = 0.15;

@@ -322,7 +322,7 @@ mod tests {
         .unwrap();
         let chat = p(
             Endpoint::Chat,
-            json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}),
+            json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "add_special_tokens": true}),
         )
         .unwrap();
         assert_eq!((r.tokens, r.max_tokens, r.stream), (chat.tokens, 7, true));

@@ -1,6 +1,11 @@
 //! OpenAI's Responses API (`POST /v1/responses`): `instructions` and `input` become the chat
 //! messages the engine renders (vLLM turns them into a chat conversation the same way), so the
 //! prompt is tokenized with the chat template and earns cache credit like a chat request.
+//!
+//! One difference from chat completions, checked against real vLLM 0.32 in the real-engine suite:
+//! vLLM tokenizes a rendered Responses prompt with `add_special_tokens` on (its Responses
+//! request builds its tokenizer parameters without the chat request's `False`), so the tokenizer's
+//! BOS comes before the template's own. The chat body built here asks for the same.
 
 use serde_json::{json, Value};
 
@@ -58,7 +63,7 @@ pub(super) fn as_chat(body: &Value) -> Result<Value, RequestError> {
         Some(_) => return Err(RequestError::invalid("input", "`input` must be a string or a non-empty list of items")),
         None => return Err(RequestError::invalid("input", "`input` is required")),
     }
-    let mut chat = json!({"messages": messages});
+    let mut chat = json!({"messages": messages, "add_special_tokens": true});
     if let Some(tools) = body.get("tools") {
         chat["tools"] = tools.clone();
     }

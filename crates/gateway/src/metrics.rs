@@ -1,4 +1,7 @@
-//! Prometheus metrics, all named `kvgate_*`.
+//! Prometheus metrics, all named `kvgate_*`: counters and histograms updated on the request path,
+//! and [`fleet`] gauges of the router's view refreshed at each scrape.
+
+pub mod fleet;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -73,6 +76,8 @@ pub struct Metrics {
     /// Upstream calls that failed for lack of local resources (file descriptors, ports), not blamed
     /// on any engine.
     pub local_resource_errors: Counter,
+    /// Per-engine gauges of the router's view, set at each scrape.
+    pub fleet: fleet::FleetGauges,
 }
 
 fn latency_histogram() -> Histogram {
@@ -147,8 +152,10 @@ impl Metrics {
             "Upstream calls that failed for lack of the gateway's own resources (file descriptors, ports)",
             local_resource_errors.clone(),
         );
+        let fleet = fleet::FleetGauges::register(&mut registry);
         Metrics {
             registry,
+            fleet,
             requests,
             decision_latency,
             decisions,

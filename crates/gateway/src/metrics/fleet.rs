@@ -1,0 +1,98 @@
+//! What the router believes about each engine, as gauges refreshed at every scrape: queues, KV
+//! usage, the KV stream's state. They are read from the router when `/metrics` is asked for, so
+//! they are never older than the router's own view, and an engine removed from the fleet leaves no
+//! series behind.
+
+use kvgate_core::WorkerStatus;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::EngineLabel;
+
+/// `engine` and `state` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KvStateLabels {
+    /// The engine's worker id.
+    pub engine: String,
+    /// `synced`, `incomplete`, `stale` or `invalid`.
+    pub state: String,
+}
+
+type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
+/// The per-engine gauges of the router's view.
+#[derive(Debug, Default)]
+pub struct FleetGauges {
+    waiting: Family<EngineLabel, Gauge>,
+    running: Family<EngineLabel, Gauge>,
+    kv_usage: Family<EngineLabel, FloatGauge>,
+    blocks_held: Family<EngineLabel, Gauge>,
+    eligible: Family<EngineLabel, Gauge>,
+    load_age: Family<EngineLabel, FloatGauge>,
+    kv_state: Family<KvStateLabels, Gauge>,
+}
+
+const STATES: [&str; 4] = ["synced", "incomplete", "stale", "invalid"];
+
+impl FleetGauges {
+    /// Registers the gauges in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let g = FleetGauges::default();
+        registry.register(
+            "engine_waiting_requests",
+            "Waiting requests per engine, as last reported and reconciled with kvgate's reservations",
+            g.waiting.clone(),
+        );
+        registry.register(
+            "engine_running_requests",
+            "Running requests per engine, as last reported",
+            g.running.clone(),
+        );
+        registry.register("engine_kv_usage_ratio", "KV cache usage per engine, from 0 to 1", g.kv_usage.clone());
+        registry.register(
+            "engine_blocks_held",
+            "KV blocks kvgate's index holds for each engine",
+            g.blocks_held.clone(),
+        );
+        registry.register("engine_eligible", "1 while an engine is in rotation, 0 while it is out", g.eligible.clone());
+        registry.register(
+            "engine_load_age_seconds",
+            "Age of each engine's last load report (absent before the first)",
+            g.load_age.clone(),
+        );
+        registry.register(
+            "kv_state",
+            "1 for each engine's current KV stream state (synced, incomplete, stale, invalid), 0 for the others",
+            g.kv_state.clone(),
+        );
+        g
+    }
+
+    /// Sets every gauge from the router's view of `workers`, dropping the series of engines gone.
+    pub fn observe(&self, workers: &[WorkerStatus]) {
+        for family in [&self.waiting, &self.running, &self.blocks_held, &self.eligible] {
+            family.clear();
+        }
+        self.kv_usage.clear();
+        self.load_age.clear();
+        self.kv_state.clear();
+        for w in workers {
+            let engine = EngineLabel { engine: w.id.to_string() };
+            let count = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            self.waiting.get_or_create(&engine).set(count(w.waiting_requests));
+            self.running.get_or_create(&engine).set(count(w.running_requests));
+            self.blocks_held.get_or_create(&engine).set(count(w.blocks_held as u64));
+            self.eligible.get_or_create(&engine).set(i64::from(w.eligible));
+            self.kv_usage.get_or_create(&engine).set(w.kv_usage);
+            if let Some(ms) = w.load_age_ms {
+                self.load_age.get_or_create(&engine).set(ms as f64 / 1000.0);
+            }
+            for state in STATES {
+                let labels = KvStateLabels { engine: engine.engine.clone(), state: state.to_owned() };
+                self.kv_state.get_or_create(&labels).set(i64::from(state == w.kv_state.name()));
+            }
+        }
+    }
+}

@@ -82,7 +82,16 @@ impl AppState {
         let router =
             Router::new(config.block_size, config.policy.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
         let tokenizer = crate::tokenize::build(&config.tokenizer).map_err(|e| GatewayError::Config(e.to_string()))?;
+        let mut engine_headers = reqwest::header::HeaderMap::new();
+        if let Some(key) = &config.worker_api_key {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| GatewayError::Config("worker_api_key: not a valid header value".into()))?;
+            value.set_sensitive(true);
+            engine_headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
         let http = reqwest::Client::builder()
+            // Every call to an engine (inference, health, load, models) carries the worker key.
+            .default_headers(engine_headers)
             .connect_timeout(config.connect_timeout)
             // Engines close idle keep-alive connections themselves (uvicorn after 5 s); reusing one
             // they are about to close loses the request, so kvgate lets go first.

@@ -17,7 +17,10 @@ pub fn build(spec: &TokenizerSpec) -> Result<Arc<dyn PromptTokenizer>, TokenizeE
             };
             let options =
                 HfOptions { chat_template: chat_template.as_ref().map(Into::into), content_format, clock: None };
-            Arc::new(HfTokenizer::load(path.as_ref(), options)?)
+            // A model directory (SMG's --tokenizer-path, a HuggingFace snapshot) holds tokenizer.json.
+            let path = std::path::Path::new(path);
+            let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+            Arc::new(HfTokenizer::load(&file, options)?)
         }
     })
 }

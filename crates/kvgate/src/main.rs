@@ -5,6 +5,7 @@ mod decide;
 mod demo;
 mod serve;
 mod sim;
+mod smg;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -61,6 +62,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // SMG's flags are refused with what to use instead, before clap calls them unknown.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("serve") {
+        if let Err(err) = smg::check(&args[2..]) {
+            eprintln!("kvgate: {err:#}");
+            return ExitCode::from(2);
+        }
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -79,13 +79,16 @@ fn serve_with_a_config_file() {
 
 #[test]
 fn bad_configuration_exits_with_a_message() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
-        .args(["serve", "--port", "0", "--worker", "ftp://nowhere", "--escape-seconds=-3"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("escape_seconds"), "{err}");
+    for (args, expected) in [
+        (["--worker", "http://127.0.0.1:9", "--escape-seconds=-3"], "escape_seconds"),
+        (["--worker", "ftp://nowhere", "--escape-seconds=3"], "scheme must be http or https"),
+    ] {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["serve", "--port", "0"]).args(args).output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{err}");
+    }
     let out =
         Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["serve", "--config", "/nonexistent.toml"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent.toml"));
@@ -126,4 +129,37 @@ fn kv_events_are_given_on_the_command_line() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("wildcard") && err.contains("kv_events_bind"), "{err}");
+}
+
+#[test]
+fn an_smg_launch_line_runs_as_is_with_kvgate_serve() {
+    // `smg launch --worker-urls A B --policy cache_aware --api-key K`, plus a free port.
+    let (child, addr) = start(&[
+        "--worker-urls",
+        "http://127.0.0.1:9",
+        "http://127.0.0.1:10",
+        "--policy",
+        "cache_aware",
+        "--api-key",
+        "K",
+        "--port",
+        "0",
+    ]);
+    let workers = http_get(&addr, "/workers");
+    assert!(workers.contains("\"total\":2"), "both engines, in SMG's list shape: {workers}");
+    assert!(http_get(&addr, "/admin/policy").contains("\"name\":\"cache_aware\""));
+    assert!(http_get(&addr, "/v1/models").starts_with("HTTP/1.1 401"), "the key guards clients, as in SMG");
+    stop(child);
+}
+
+#[test]
+fn an_smg_flag_kvgate_does_not_take_is_refused_with_what_to_use_instead() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(["serve", "--worker-urls", "http://127.0.0.1:9", "--prometheus-port", "29000"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--prometheus-port is an SMG flag"), "{err}");
+    assert!(err.contains("/metrics on its own --host and --port"), "{err}");
 }

@@ -1,6 +1,7 @@
 //! The HTTP surface: inference routes, operations routes and the admin API.
 
 mod admin;
+mod smg;
 /// Request parsing, shared with the mock engine (`kvgate_tokenizer::request`).
 pub mod request {
     pub use kvgate_tokenizer::request::*;
@@ -40,6 +41,8 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/admin/workers", get(admin::list_workers).post(admin::add_worker).delete(admin::remove_worker_by_body))
         .route("/admin/workers/{id}", delete(admin::remove_worker))
+        .route("/workers", get(smg::list).post(smg::add))
+        .route("/workers/{id}", get(smg::get).delete(smg::remove))
         .route("/admin/policy", get(admin::get_policy).put(admin::put_policy))
         .route("/admin/decide", post(admin::decide))
         .route("/admin/tokenize", post(admin::tokenize))

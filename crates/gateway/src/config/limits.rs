@@ -95,17 +95,17 @@ pub struct Limits {
 
 impl Limits {
     pub(super) fn build(s: &ServerTable, t: &TelemetryTable) -> Result<Limits, GatewayError> {
-        let secs = |knob, v: Option<f64>| pick(knob, None, v).map(Duration::from_secs_f64);
+        let secs = |knob, v: Option<f64>| pick(knob, v).map(Duration::from_secs_f64);
         Ok(Limits {
             header_timeout: Duration::from_millis(
-                pick(HEADER_TIMEOUT_MS, None, s.header_timeout_ms.map(|v| v as f64))? as u64,
+                pick(HEADER_TIMEOUT_MS, s.header_timeout_ms.map(|v| v as f64))? as u64
             ),
             body_timeout: secs(BODY_TIMEOUT_S, s.body_timeout_s)?,
-            max_connections: pick(MAX_CONNECTIONS, None, s.max_connections.map(|v| v as f64))? as usize,
-            max_buffered_body_bytes: pick(MAX_BUFFERED_BODY_BYTES, None, s.max_buffered_body_bytes.map(|v| v as f64))?
+            max_connections: pick(MAX_CONNECTIONS, s.max_connections.map(|v| v as f64))? as usize,
+            max_buffered_body_bytes: pick(MAX_BUFFERED_BODY_BYTES, s.max_buffered_body_bytes.map(|v| v as f64))?
                 as usize,
             stream_idle_timeout: secs(STREAM_IDLE_TIMEOUT_S, s.stream_idle_timeout_s)?,
-            outlier_failures: pick(OUTLIER_FAILURES, None, t.outlier_failures.map(f64::from))? as u32,
+            outlier_failures: pick(OUTLIER_FAILURES, t.outlier_failures.map(f64::from))? as u32,
             outlier_ejection: secs(OUTLIER_EJECTION_S, t.outlier_ejection_s)?,
         })
     }

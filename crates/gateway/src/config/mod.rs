@@ -1,5 +1,6 @@
-//! Gateway configuration: a TOML file, overridden by flags and environment (the binary maps those
-//! onto [`Overrides`]), validated as a whole. Every bound is checked with a message naming the key.
+//! Gateway configuration: a TOML file, overridden by flags and environment ([`Overrides`], which
+//! the binary parses as they are), validated as a whole. Every bound is checked with a message
+//! naming the key.
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,9 +12,11 @@ use serde::{Deserialize, Serialize};
 use crate::GatewayError;
 
 mod limits;
+mod overrides;
 mod worker;
 
 pub use limits::*;
+pub use overrides::Overrides;
 pub use worker::{rank_endpoint, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
@@ -100,6 +103,7 @@ struct SecurityTable {
     #[serde(default)]
     api_keys: Vec<String>,
     admin_key: Option<String>,
+    worker_api_key: Option<String>,
 }
 
 /// The whole TOML file.
@@ -119,57 +123,11 @@ struct FileConfig {
     workers: Vec<WorkerSpec>,
 }
 
-/// Values from flags and environment; each `Some` overrides the file.
-#[derive(Debug, Clone, Default)]
-pub struct Overrides {
-    /// `--host`.
-    pub host: Option<String>,
-    /// `--port`.
-    pub port: Option<u16>,
-    /// `--worker` (repeatable), each a URL with optional `,key=value` worker settings; replaces the
-    /// file's workers when given.
-    pub workers: Vec<String>,
-    /// `--kv-events-port`: workers without `kv_events` get `:PORT` (their own host).
-    pub kv_events_port: Option<u16>,
-    /// `--replay-port`: workers without `replay` get `:PORT`.
-    pub replay_port: Option<u16>,
-    /// `--policy`.
-    pub policy: Option<String>,
-    /// `--mode`.
-    pub mode: Option<String>,
-    /// `--escape-seconds`.
-    pub escape_seconds: Option<f64>,
-    /// `--escape-waiting`.
-    pub escape_waiting: Option<u64>,
-    /// `--admission-wait-s`.
-    pub admission_wait_s: Option<f64>,
-    /// `--block-size`.
-    pub block_size: Option<u32>,
-    /// `--tokenizer` (a `tokenizer.json` path, or `builtin`).
-    pub tokenizer: Option<String>,
-    /// `--chat-template`.
-    pub chat_template: Option<String>,
-    /// `--chat-template-content-format`.
-    pub chat_template_content_format: Option<String>,
-    /// `--api-key` (repeatable).
-    pub api_keys: Vec<String>,
-    /// `--admin-key`.
-    pub admin_key: Option<String>,
-    /// `--max-body-bytes`.
-    pub max_body_bytes: Option<usize>,
-    /// `--poll-interval-ms`.
-    pub poll_interval_ms: Option<u64>,
-    /// `--health-interval-ms`.
-    pub health_interval_ms: Option<u64>,
-    /// `--shutdown-grace-s`.
-    pub shutdown_grace_s: Option<f64>,
-}
-
 /// Bounds of the gateway's own settings.
 pub const MAX_BODY_BYTES: Knob = Knob {
     name: "max_body_bytes",
     min: 1024.0,
-    max: 268_435_456.0,
+    max: 1_073_741_824.0,
     default: 8_388_608.0,
     meaning: "largest request body accepted; larger ones get 413",
 };
@@ -303,6 +261,10 @@ pub struct GatewayConfig {
     pub api_keys: Vec<String>,
     /// Admin key (none: admin routes are open; a warning is logged).
     pub admin_key: Option<String>,
+    /// Key sent to every engine as `Authorization: Bearer KEY`: `[security] worker_api_key`, or
+    /// the one client key when exactly one is configured (as SMG's `--api-key` does); `""` sends
+    /// none.
+    pub worker_api_key: Option<String>,
     /// See [`MAX_BODY_BYTES`].
     pub max_body_bytes: usize,
     /// See [`REQUEST_TIMEOUT_S`].
@@ -339,8 +301,8 @@ fn check(knob: Knob, v: f64) -> Result<f64, GatewayError> {
     knob.check(v).map_err(|e| GatewayError::Config(e.to_string()))
 }
 
-fn pick<T: Copy + Into<f64>>(knob: Knob, over: Option<T>, file: Option<T>) -> Result<f64, GatewayError> {
-    check(knob, over.or(file).map_or(knob.default, Into::into))
+fn pick<T: Copy + Into<f64>>(knob: Knob, value: Option<T>) -> Result<f64, GatewayError> {
+    check(knob, value.map_or(knob.default, Into::into))
 }
 
 impl GatewayConfig {
@@ -357,56 +319,32 @@ impl GatewayConfig {
         Self::build(file, overrides)
     }
 
+    /// The settings given as flags and environment laid over the file's, then validated.
+    fn build(mut file: FileConfig, overrides: Overrides) -> Result<Self, GatewayError> {
+        overrides.apply(&mut file)?;
+        Self::from_file(file)
+    }
+
     /// Parses TOML text (for tests and embedding) with no overrides.
     pub fn from_toml(text: &str) -> Result<Self, GatewayError> {
         let file: FileConfig = toml::from_str(text).map_err(|e| GatewayError::Config(e.to_string()))?;
         Self::build(file, Overrides::default())
     }
 
-    fn build(f: FileConfig, o: Overrides) -> Result<Self, GatewayError> {
-        let (mut patch, p) = split_policy(f.policy.clone())?;
-        if let Some(name) = &o.policy {
-            patch.name = Some(name.parse().map_err(cfg_err)?);
-        }
-        if let Some(mode) = &o.mode {
-            patch.mode = Some(mode.parse().map_err(cfg_err)?);
-        }
-        patch.escape_seconds = o.escape_seconds.or(patch.escape_seconds);
-        patch.escape_waiting = o.escape_waiting.or(patch.escape_waiting);
+    fn from_file(f: FileConfig) -> Result<Self, GatewayError> {
+        let (patch, p) = split_policy(f.policy.clone())?;
         let policy = patch.build().map_err(cfg_err)?;
-
-        let mut workers = if o.workers.is_empty() {
-            f.workers
-        } else {
-            o.workers.iter().map(|w| WorkerSpec::parse_compact(w)).collect::<Result<Vec<_>, _>>()?
-        };
-        for w in &mut workers {
-            if w.kv_events.is_none() {
-                w.kv_events = o.kv_events_port.map(|p| format!(":{p}"));
-            }
-            if w.replay.is_none() && w.kv_events.is_some() {
-                w.replay = o.replay_port.map(|p| format!(":{p}"));
-            }
-        }
+        let workers = f.workers;
         check_distinct(&workers)?;
-        let tokenizer = match o.tokenizer.as_deref() {
-            None => f.tokenizer.unwrap_or_default(),
-            Some("builtin") => TokenizerSpec::Builtin,
-            Some(path) => TokenizerSpec::Hf {
-                path: path.to_owned(),
-                chat_template: o.chat_template.clone(),
-                content_format: o.chat_template_content_format.clone(),
-            },
-        };
+        let tokenizer = f.tokenizer.unwrap_or_default();
         let s = &f.server;
         let t = &f.telemetry;
-        let block_size = pick(BLOCK_SIZE, o.block_size, s.block_size)? as u32;
-        let mut api_keys = f.security.api_keys.clone();
-        api_keys.extend(o.api_keys.iter().cloned());
+        let block_size = pick(BLOCK_SIZE, s.block_size)? as u32;
+        let api_keys = f.security.api_keys.clone();
         if api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(GatewayError::Config("api_keys: empty keys are not allowed".into()));
         }
-        let admin_key = o.admin_key.clone().or(f.security.admin_key.clone());
+        let admin_key = f.security.admin_key.clone();
         if admin_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
             return Err(GatewayError::Config("admin_key: an empty key is not allowed".into()));
         }
@@ -415,51 +353,44 @@ impl GatewayConfig {
                 "admin_key is also one of the api_keys: every client could administer the gateway; choose a distinct admin key".into(),
             ));
         }
+        let worker_api_key = match &f.security.worker_api_key {
+            Some(k) if k.trim().is_empty() => None, // "": send none, even with a single client key
+            Some(k) => Some(k.clone()),
+            // As SMG's --api-key: one client key is also the engines' key.
+            None if api_keys.len() == 1 => Some(api_keys[0].clone()),
+            None => None,
+        };
         Ok(GatewayConfig {
-            host: o.host.clone().or(s.host.clone()).unwrap_or_else(|| "127.0.0.1".into()),
-            port: o.port.or(s.port).unwrap_or(8080),
+            host: s.host.clone().unwrap_or_else(|| "127.0.0.1".into()),
+            port: s.port.unwrap_or(8080),
+            worker_api_key,
             policy,
             block_size,
-            admission_wait_s: pick(ADMISSION_WAIT_S, o.admission_wait_s, p.admission_wait_s)?,
-            queue_timeout: Duration::from_millis(
-                pick(QUEUE_TIMEOUT_MS, None, p.queue_timeout_ms.map(|v| v as f64))? as u64
-            ),
-            max_queued: pick(MAX_QUEUED, None, p.max_queued.map(|v| v as f64))? as usize,
+            admission_wait_s: pick(ADMISSION_WAIT_S, p.admission_wait_s)?,
+            queue_timeout: Duration::from_millis(pick(QUEUE_TIMEOUT_MS, p.queue_timeout_ms.map(|v| v as f64))? as u64),
+            max_queued: pick(MAX_QUEUED, p.max_queued.map(|v| v as f64))? as usize,
             workers,
             tokenizer,
             api_keys,
             admin_key,
-            max_body_bytes: pick(
-                MAX_BODY_BYTES,
-                o.max_body_bytes.map(|v| v as f64),
-                s.max_body_bytes.map(|v| v as f64),
-            )? as usize,
-            request_timeout: Duration::from_secs_f64(pick(REQUEST_TIMEOUT_S, None, s.request_timeout_s)?),
-            connect_timeout: Duration::from_millis(pick(
-                CONNECT_TIMEOUT_MS,
-                None,
-                s.connect_timeout_ms.map(|v| v as f64),
-            )? as u64),
+            max_body_bytes: pick(MAX_BODY_BYTES, s.max_body_bytes.map(|v| v as f64))? as usize,
+            request_timeout: Duration::from_secs_f64(pick(REQUEST_TIMEOUT_S, s.request_timeout_s)?),
+            connect_timeout: Duration::from_millis(
+                pick(CONNECT_TIMEOUT_MS, s.connect_timeout_ms.map(|v| v as f64))? as u64
+            ),
             upstream_keepalive: Duration::from_millis(pick(
                 UPSTREAM_KEEPALIVE_MS,
-                None,
                 s.upstream_keepalive_ms.map(|v| v as f64),
             )? as u64),
-            poll_interval: Duration::from_millis(pick(
-                POLL_INTERVAL_MS,
-                o.poll_interval_ms.map(|v| v as f64),
-                t.poll_interval_ms.map(|v| v as f64),
-            )? as u64),
-            health_interval: Duration::from_millis(pick(
-                HEALTH_INTERVAL_MS,
-                o.health_interval_ms.map(|v| v as f64),
-                t.health_interval_ms.map(|v| v as f64),
-            )? as u64),
-            failures_to_open: pick(FAILURES_TO_OPEN, None, t.failures_to_open.map(f64::from))? as u32,
-            shutdown_grace: Duration::from_secs_f64(pick(SHUTDOWN_GRACE_S, o.shutdown_grace_s, s.shutdown_grace_s)?),
-            decision_log: pick(DECISION_LOG, None, s.decision_log.map(|v| v as f64))? as usize,
-            assumed_prompt_tokens: pick(ASSUMED_PROMPT_TOKENS, None, t.assumed_prompt_tokens.map(|v| v as f64))? as u64,
-            assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, None, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
+            poll_interval: Duration::from_millis(pick(POLL_INTERVAL_MS, t.poll_interval_ms.map(|v| v as f64))? as u64),
+            health_interval: Duration::from_millis(
+                pick(HEALTH_INTERVAL_MS, t.health_interval_ms.map(|v| v as f64))? as u64
+            ),
+            failures_to_open: pick(FAILURES_TO_OPEN, t.failures_to_open.map(f64::from))? as u32,
+            shutdown_grace: Duration::from_secs_f64(pick(SHUTDOWN_GRACE_S, s.shutdown_grace_s)?),
+            decision_log: pick(DECISION_LOG, s.decision_log.map(|v| v as f64))? as usize,
+            assumed_prompt_tokens: pick(ASSUMED_PROMPT_TOKENS, t.assumed_prompt_tokens.map(|v| v as f64))? as u64,
+            assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
             limits: Limits::build(s, t)?,
         })
     }

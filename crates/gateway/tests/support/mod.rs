@@ -73,6 +73,9 @@ impl Default for Behavior {
     }
 }
 
+/// A request's path and its `Authorization` header, if it had one.
+pub type SeenAuthorization = (String, Option<String>);
+
 /// A fake engine: OpenAI routes, `/generate`, `/health`, `/v1/models`, `/v1/loads`.
 #[derive(Clone)]
 pub struct FakeEngine {
@@ -80,6 +83,8 @@ pub struct FakeEngine {
     pub behavior: Arc<Mutex<Behavior>>,
     /// Every inference body received, byte for byte, with its path.
     pub received: Arc<Mutex<Vec<(String, Bytes)>>>,
+    /// The `Authorization` header of every request (inference, health, load, models), with its path.
+    pub authorization: Arc<Mutex<Vec<SeenAuthorization>>>,
 }
 
 impl FakeEngine {
@@ -175,6 +180,16 @@ event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\
 event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"lo\",\"sequence_number\":2}\n\n\
 event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":3}\n\n";
 
+async fn record_authorization(
+    State(e): State<FakeEngine>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    e.authorization.lock().push((req.uri().path().to_owned(), auth));
+    next.run(req).await
+}
+
 /// Starts a fake engine on 127.0.0.1:0.
 pub async fn fake_engine() -> FakeEngine {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -182,6 +197,7 @@ pub async fn fake_engine() -> FakeEngine {
         addr: listener.local_addr().unwrap(),
         behavior: Arc::new(Mutex::new(Behavior::default())),
         received: Arc::new(Mutex::new(Vec::new())),
+        authorization: Arc::new(Mutex::new(Vec::new())),
     };
     let mut app = Router::new();
     for path in INFERENCE_PATHS {
@@ -205,6 +221,7 @@ pub async fn fake_engine() -> FakeEngine {
             Json(json!({"loads": [{"dp_rank": 0, "num_waiting_reqs": w, "num_waiting_uncached_tokens": t, "num_running_reqs": r, "token_usage": 0.1}]}))
                 .into_response()
         }))
+        .layer(axum::middleware::from_fn_with_state(engine.clone(), record_authorization))
         .with_state(engine.clone());
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);

@@ -67,9 +67,27 @@ struct RankLoad {
     max_total_num_tokens: Option<u64>,
 }
 
-fn sum_opt<T: std::ops::Add<Output = T> + Copy>(a: Option<T>, b: Option<T>) -> Option<T> {
+/// Sums that stay sums: counts saturate at `u64::MAX` instead of overflowing (an engine that
+/// reports nonsense must not crash or wrap the gateway), rates add as floats.
+trait Total: Copy {
+    fn total(self, other: Self) -> Self;
+}
+
+impl Total for u64 {
+    fn total(self, other: u64) -> u64 {
+        self.saturating_add(other)
+    }
+}
+
+impl Total for f64 {
+    fn total(self, other: f64) -> f64 {
+        self + other
+    }
+}
+
+fn sum_opt<T: Total>(a: Option<T>, b: Option<T>) -> Option<T> {
     match (a, b) {
-        (Some(a), Some(b)) => Some(a + b),
+        (Some(a), Some(b)) => Some(a.total(b)),
         (a, b) => a.or(b),
     }
 }
@@ -83,8 +101,8 @@ pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
     let mut out = EngineLoad::default();
     let mut usage = Vec::new();
     for r in &parsed.loads {
-        out.waiting_requests += r.num_waiting_reqs;
-        out.running_requests += r.num_running_reqs;
+        out.waiting_requests = out.waiting_requests.total(r.num_waiting_reqs);
+        out.running_requests = out.running_requests.total(r.num_running_reqs);
         out.waiting_uncached_tokens = sum_opt(out.waiting_uncached_tokens, r.num_waiting_uncached_tokens);
         out.active_tokens = sum_opt(out.active_tokens, r.num_active_tokens);
         out.gen_throughput = sum_opt(out.gen_throughput, r.gen_throughput);
@@ -172,6 +190,18 @@ mod tests {
         assert_eq!(l.waiting_uncached_tokens, Some(812));
         assert_eq!(l.kv_usage, Some(0.0125));
         assert_eq!(l.gen_throughput, Some(412.5));
+    }
+
+    #[test]
+    fn counts_past_u64_saturate_instead_of_overflowing() {
+        let max = u64::MAX;
+        let body = format!(
+            r#"{{"loads": [{{"num_waiting_reqs": {max}, "num_running_reqs": {max}, "num_waiting_uncached_tokens": {max}, "max_total_num_tokens": {max}}},
+                          {{"num_waiting_reqs": 5, "num_running_reqs": 5, "num_waiting_uncached_tokens": 5, "max_total_num_tokens": 5}}]}}"#
+        );
+        let load = parse_sglang_loads(body.as_bytes()).unwrap();
+        assert_eq!((load.waiting_requests, load.running_requests), (max, max));
+        assert_eq!((load.waiting_uncached_tokens, load.kv_capacity_tokens), (Some(max), Some(max)));
     }
 
     #[test]

@@ -25,6 +25,7 @@
 pub mod api;
 pub use kvgate_clock as clock;
 pub mod config;
+pub mod discovery;
 pub mod engines;
 pub mod error;
 pub mod kv_events;
@@ -70,8 +71,16 @@ pub async fn serve(
         tracing::warn!("no admin key configured: /admin routes are open to anyone who can reach the gateway");
     }
     engines::start_all(&state.engine_context());
+    let watcher = state.config.workers_file.clone().map(|path| {
+        *state.discovery.lock() =
+            discovery::DiscoveryStatus { path: Some(path.display().to_string()), ..Default::default() };
+        tokio::spawn(discovery::run(state.clone(), path, state.config.workers_file_poll))
+    });
     let app = api::routes(state.clone());
     let served = server::run(listener, &state, app, shutdown).await;
+    if let Some(w) = watcher {
+        w.abort();
+    }
     for e in state.engines.read().values() {
         e.stop();
     }

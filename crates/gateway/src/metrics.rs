@@ -78,6 +78,10 @@ pub struct Metrics {
     pub local_resource_errors: Counter,
     /// Per-engine gauges of the router's view, set at each scrape.
     pub fleet: fleet::FleetGauges,
+    /// Rereads of the workers file.
+    pub workers_file_reloads: Counter,
+    /// Entries of the workers file that could not be used at its last reread.
+    pub workers_file_errors: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -153,9 +157,19 @@ impl Metrics {
             local_resource_errors.clone(),
         );
         let fleet = fleet::FleetGauges::register(&mut registry);
+        let workers_file_reloads = Counter::default();
+        registry.register("workers_file_reloads", "Rereads of the workers file", workers_file_reloads.clone());
+        let workers_file_errors = Gauge::default();
+        registry.register(
+            "workers_file_errors",
+            "Entries of the workers file that could not be used at its last reread",
+            workers_file_errors.clone(),
+        );
         Metrics {
             registry,
             fleet,
+            workers_file_reloads,
+            workers_file_errors,
             requests,
             decision_latency,
             decisions,

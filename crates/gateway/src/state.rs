@@ -68,6 +68,10 @@ pub struct AppState {
     pub body_budget: Arc<tokio::sync::Semaphore>,
     /// Tie-breaking randomness.
     pub rng: Mutex<ChaCha8Rng>,
+    /// What the workers file's last reread found.
+    pub discovery: Mutex<crate::discovery::DiscoveryStatus>,
+    /// Notified to reread the workers file at once (SIGHUP, `POST /admin/discovery/reload`).
+    pub discovery_reload: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -115,6 +119,8 @@ impl AppState {
             capacity: Arc::new(tokio::sync::Notify::new()),
             body_budget: Arc::new(tokio::sync::Semaphore::new(config.limits.max_buffered_body_bytes.div_ceil(1024))),
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
+            discovery: Mutex::new(crate::discovery::DiscoveryStatus::default()),
+            discovery_reload: Arc::new(tokio::sync::Notify::new()),
             config,
         });
         for w in state.config.workers.clone() {

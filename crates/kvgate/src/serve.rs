@@ -98,6 +98,24 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
         let state = AppState::new(config)?;
+        #[cfg(unix)]
+        {
+            // SIGHUP rereads the workers file at once.
+            let reload = state.discovery_reload.clone();
+            let has_file = state.config.workers_file.is_some();
+            let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .context("cannot listen for SIGHUP")?;
+            tokio::spawn(async move {
+                while hup.recv().await.is_some() {
+                    if has_file {
+                        tracing::info!("SIGHUP: rereading the workers file");
+                        reload.notify_one();
+                    } else {
+                        tracing::warn!("SIGHUP ignored: no workers file is configured (--workers-file)");
+                    }
+                }
+            });
+        }
         tracing::info!(
             address = %local,
             workers = state.engines.read().len(),

@@ -163,3 +163,38 @@ fn an_smg_flag_kvgate_does_not_take_is_refused_with_what_to_use_instead() {
     assert!(err.contains("--prometheus-port is an SMG flag"), "{err}");
     assert!(err.contains("/metrics on its own --host and --port"), "{err}");
 }
+
+#[test]
+fn sighup_rereads_the_workers_file() {
+    let dir = std::env::temp_dir().join(format!("kvgate-sighup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("workers.toml");
+    std::fs::write(&file, "[[workers]]\nid = \"first\"\nurl = \"http://127.0.0.1:9\"\n").unwrap();
+    // Checked for changes only once an hour: the second engine can only come from the signal.
+    let config = dir.join("kvgate.toml");
+    std::fs::write(
+        &config,
+        format!("[discovery]\nworkers_file = \"{}\"\nworkers_file_poll_ms = 3600000\n", file.display()),
+    )
+    .unwrap();
+    let (child, addr) = start(&["--port", "0", "--config", config.to_str().unwrap()]);
+    let has = |id: &str| http_get(&addr, "/admin/workers").contains(&format!("\"id\":\"{id}\""));
+    for _ in 0..100 {
+        if has("first") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(has("first"), "the file was read at start");
+    std::fs::write(&file, "[[workers]]\nid = \"second\"\nurl = \"http://127.0.0.1:10\"\n").unwrap();
+    let _ = Command::new("kill").args(["-HUP", &child.id().to_string()]).status();
+    for _ in 0..100 {
+        if has("second") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(has("second") && !has("first"), "{}", http_get(&addr, "/admin/workers"));
+    stop(child);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -202,3 +202,21 @@ pub async fn decisions(
     let recent: Vec<_> = log.iter().skip(log.len() - n).cloned().collect();
     Ok(Json(json!({ "decisions": recent })))
 }
+
+/// `GET /admin/discovery`: the workers file and what its last reread found.
+pub async fn discovery(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    Ok(Json(serde_json::to_value(&*state.discovery.lock()).unwrap_or(Value::Null)))
+}
+
+/// `POST /admin/discovery/reload`: rereads the workers file now, as SIGHUP does.
+pub async fn reload_discovery(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    check_admin(&state, &headers)?;
+    if state.config.workers_file.is_none() {
+        return Err(ApiError::NotFound(
+            "no workers file is configured ([discovery] workers_file, --workers-file)".into(),
+        ));
+    }
+    state.discovery_reload.notify_one();
+    Ok((StatusCode::ACCEPTED, Json(json!({"reload": "requested"}))).into_response())
+}

@@ -47,6 +47,8 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/admin/decide", post(admin::decide))
         .route("/admin/tokenize", post(admin::tokenize))
         .route("/admin/decisions", get(admin::decisions))
+        .route("/admin/discovery", get(admin::discovery))
+        .route("/admin/discovery/reload", post(admin::reload_discovery))
         .fallback(not_found)
         .with_state(state)
 }

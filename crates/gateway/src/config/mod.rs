@@ -17,7 +17,7 @@ mod worker;
 
 pub use limits::*;
 pub use overrides::Overrides;
-pub use worker::{rank_endpoint, EngineKind, WorkerSpec};
+pub use worker::{rank_endpoint, redact_url, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -96,6 +96,14 @@ struct TelemetryTable {
     outlier_ejection_s: Option<f64>,
 }
 
+/// The `[discovery]` table.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiscoveryTable {
+    workers_file: Option<String>,
+    workers_file_poll_ms: Option<u64>,
+}
+
 /// The `[security]` table.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -118,11 +126,21 @@ struct FileConfig {
     telemetry: TelemetryTable,
     #[serde(default)]
     security: SecurityTable,
+    #[serde(default)]
+    discovery: DiscoveryTable,
     tokenizer: Option<TokenizerSpec>,
     #[serde(default)]
     workers: Vec<WorkerSpec>,
 }
 
+/// See [`GatewayConfig::workers_file_poll`].
+pub const WORKERS_FILE_POLL_MS: Knob = Knob {
+    name: "workers_file_poll_ms",
+    min: 100.0,
+    max: 3_600_000.0,
+    default: 2000.0,
+    meaning: "how often the workers file is checked for changes (SIGHUP rereads it at once)",
+};
 /// Bounds of the gateway's own settings.
 pub const MAX_BODY_BYTES: Knob = Knob {
     name: "max_body_bytes",
@@ -261,6 +279,11 @@ pub struct GatewayConfig {
     pub api_keys: Vec<String>,
     /// Admin key (none: admin routes are open; a warning is logged).
     pub admin_key: Option<String>,
+    /// A file of engines to watch (`[discovery] workers_file`): reread on change and on SIGHUP,
+    /// adding and draining its engines beside the configured ones.
+    pub workers_file: Option<std::path::PathBuf>,
+    /// How often the workers file is checked for changes.
+    pub workers_file_poll: Duration,
     /// Key sent to every engine as `Authorization: Bearer KEY`: `[security] worker_api_key`, or
     /// the one client key when exactly one is configured (as SMG's `--api-key` does); `""` sends
     /// none.
@@ -364,6 +387,11 @@ impl GatewayConfig {
             host: s.host.clone().unwrap_or_else(|| "127.0.0.1".into()),
             port: s.port.unwrap_or(8080),
             worker_api_key,
+            workers_file: f.discovery.workers_file.clone().map(Into::into),
+            workers_file_poll: Duration::from_millis(pick(
+                WORKERS_FILE_POLL_MS,
+                f.discovery.workers_file_poll_ms.map(|v| v as f64),
+            )? as u64),
             policy,
             block_size,
             admission_wait_s: pick(ADMISSION_WAIT_S, p.admission_wait_s)?,
@@ -432,6 +460,7 @@ fn cfg_err(e: kvgate_core::CoreError) -> GatewayError {
 
 /// Every gateway knob, for documentation.
 pub const KNOBS: &[Knob] = &[
+    WORKERS_FILE_POLL_MS,
     MAX_BODY_BYTES,
     ADMISSION_WAIT_S,
     QUEUE_TIMEOUT_MS,

@@ -24,6 +24,10 @@ pub struct Overrides {
     /// environment variable separates engines with spaces.
     #[arg(long = "worker", visible_alias = "worker-urls", env = "KVGATE_WORKERS", value_delimiter = ' ', num_args = 1..)]
     pub workers: Vec<String>,
+    /// A file of engines (TOML [[workers]] or JSON) to watch: reread when it changes and on SIGHUP,
+    /// adding and draining its engines beside the --worker ones.
+    #[arg(long, env = "KVGATE_WORKERS_FILE")]
+    pub workers_file: Option<String>,
     /// KV-event port of every engine without its own kv_events (each engine's own host).
     #[arg(long, env = "KVGATE_KV_EVENTS_PORT")]
     pub kv_events_port: Option<u16>,
@@ -157,6 +161,8 @@ impl Overrides {
         set(&mut t.poll_interval_ms, self.poll_interval_ms);
         set(&mut t.health_interval_ms, self.health_interval_ms.or(self.health_check_interval_secs.map(|v| v * 1000)));
         set(&mut t.failures_to_open, self.failures_to_open);
+
+        set(&mut file.discovery.workers_file, self.workers_file);
 
         let k = &mut file.security;
         k.api_keys.extend(self.api_keys);

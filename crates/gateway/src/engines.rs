@@ -36,22 +36,107 @@ pub fn start(ctx: &EngineContext, engine: &Arc<EngineHandle>) {
     let mut tasks = engine.tasks.lock();
     tasks.push(tokio::spawn(health_loop(ctx.clone(), engine.clone())).abort_handle());
     tasks.push(tokio::spawn(load_loop(ctx.clone(), engine.clone())).abort_handle());
-    if let Some(endpoint) = engine.spec.kv_events_endpoint() {
-        // One subscriber per data-parallel rank, each with its own sequence numbers, all feeding
-        // this worker's index: a prefix cached on any rank counts for the engine.
-        for rank in 0..engine.spec.dp_size.unwrap_or(1) {
-            let Some(endpoint) = crate::config::rank_endpoint(&endpoint, rank) else { continue };
-            let cfg = crate::kv_events::StreamConfig {
-                worker: engine.id.clone(),
-                endpoint,
-                bind: engine.spec.binds_kv_events(),
-                replay: engine.spec.replay_endpoint().and_then(|r| crate::config::rank_endpoint(&r, rank)),
-                topic: engine.spec.topic.clone().unwrap_or_default(),
-            };
-            let task = tokio::spawn(crate::kv_events::run(ctx.clone(), engine.clone(), cfg));
-            tasks.push(task.abort_handle());
+    drop(tasks);
+    if let Some(spec) = engine.kv_spec() {
+        start_streams(ctx, engine, &spec);
+    }
+}
+
+/// Starts the KV event subscribers `spec` describes: one per data-parallel rank, each with its own
+/// sequence numbers, all feeding this worker's index (a prefix cached on any rank counts for it).
+fn start_streams(ctx: &EngineContext, engine: &Arc<EngineHandle>, spec: &crate::config::WorkerSpec) {
+    let Some(endpoint) = spec.kv_events_endpoint() else { return };
+    let mut tasks = engine.tasks.lock();
+    for rank in 0..spec.dp_size.unwrap_or(1) {
+        let Some(endpoint) = crate::config::rank_endpoint(&endpoint, rank) else { continue };
+        let cfg = crate::kv_events::StreamConfig {
+            worker: engine.id.clone(),
+            endpoint,
+            bind: spec.binds_kv_events(),
+            replay: spec.replay_endpoint().and_then(|r| crate::config::rank_endpoint(&r, rank)),
+            topic: spec.topic.clone().unwrap_or_default(),
+        };
+        let task = tokio::spawn(crate::kv_events::run(ctx.clone(), engine.clone(), cfg));
+        tasks.push(task.abort_handle());
+    }
+}
+
+/// Asks an engine configured without `kv_events` where it publishes them (SGLang's `GET
+/// /server_info`, or `/get_server_info` on older versions) and, if it says, subscribes. An engine
+/// that answers without a ZMQ publisher is not asked again; one that cannot be reached is asked at
+/// its next health check.
+async fn discover_kv_events(ctx: &EngineContext, engine: &Arc<EngineHandle>, timeout: Duration) {
+    let mut info = None;
+    for path in ["/server_info", "/get_server_info"] {
+        let Ok(resp) = ctx.http.get(format!("{}{path}", engine.base)).timeout(timeout).send().await else { return };
+        if resp.status().is_success() {
+            info = resp.json::<serde_json::Value>().await.ok();
+            break;
         }
     }
+    let announced = info.as_ref().and_then(|i| announced_kv_events(&engine.spec, i));
+    *engine.discovered.lock() = Some(announced.clone());
+    let Some(spec) = announced else {
+        tracing::debug!(engine = %engine.id, "the engine announces no KV event publisher: load-only");
+        return;
+    };
+    tracing::info!(engine = %engine.id, kv_events = ?spec.kv_events, replay = ?spec.replay, "KV events announced by the engine");
+    if let Some(b) = spec.block_size.filter(|&b| b != ctx.settings.block_size) {
+        *engine.config_problem.lock() =
+            Some(format!("engine block_size {b} differs from the gateway's block_size {}", ctx.settings.block_size));
+    }
+    let state = match engine.config_problem.lock().clone() {
+        Some(problem) => KvState::Invalid(problem),
+        None => KvState::Incomplete("KV event stream not connected yet".into()),
+    };
+    let _ = ctx.router.set_kv_state(&engine.id, state);
+    start_streams(ctx, engine, &spec);
+}
+
+/// The worker's spec with the KV-event settings a `/server_info` answer announces: SGLang's
+/// `"kv_events"` object (`engine-protocols.md` §1), or its `kv_events_config` server argument.
+fn announced_kv_events(
+    spec: &crate::config::WorkerSpec,
+    info: &serde_json::Value,
+) -> Option<crate::config::WorkerSpec> {
+    use serde_json::Value;
+    let port = |v: &Value| v.as_u64().and_then(|p| u16::try_from(p).ok());
+    // An endpoint on a wildcard host is on the engine's own host.
+    let on_host = |host: Option<&str>, port: u16| match host {
+        None | Some("" | "*" | "0.0.0.0" | "::" | "[::]") => format!(":{port}"),
+        Some(h) => format!("tcp://{h}:{port}"),
+    };
+    let mut out = spec.clone();
+    if let Some(kv) = info.get("kv_events").filter(|v| v.is_object()) {
+        if kv.get("publisher").and_then(Value::as_str) != Some("zmq") {
+            return None;
+        }
+        out.kv_events =
+            Some(on_host(kv.get("endpoint_host").and_then(Value::as_str), port(kv.get("endpoint_port_base")?)?));
+        out.replay = kv
+            .get("replay_endpoint_port_base")
+            .and_then(port)
+            .map(|p| on_host(kv.get("endpoint_host").and_then(Value::as_str), p));
+        out.topic = kv.get("topic").and_then(Value::as_str).map(str::to_owned);
+        out.block_size =
+            out.block_size.or(kv.get("block_size").and_then(|b| b.as_u64()).and_then(|b| u32::try_from(b).ok()));
+        out.dp_size = out.dp_size.or(kv.get("dp_size").and_then(|d| d.as_u64()).and_then(|d| u16::try_from(d).ok()));
+        return Some(out);
+    }
+    // The server argument: a JSON string as given to --kv-events-config.
+    let config: Value = serde_json::from_str(info.get("kv_events_config")?.as_str()?).ok()?;
+    if config.get("publisher").and_then(Value::as_str) != Some("zmq") {
+        return None;
+    }
+    let endpoint = |key: &str| -> Option<String> {
+        let raw = config.get(key)?.as_str()?.strip_prefix("tcp://")?;
+        let (host, p) = raw.rsplit_once(':')?;
+        Some(on_host(Some(host), p.parse().ok()?))
+    };
+    out.kv_events = Some(endpoint("endpoint")?);
+    out.replay = endpoint("replay_endpoint");
+    out.topic = config.get("topic").and_then(Value::as_str).map(str::to_owned);
+    Some(out)
 }
 
 /// Counts a request that the engine failed (a server error, a timeout, a refused connect). After
@@ -106,7 +191,7 @@ fn ejected(ctx: &EngineContext, engine: &EngineHandle) -> bool {
 /// Drops the engine's KV view now and asks its subscribers to rebuild it from the replay socket.
 pub fn resync(ctx: &EngineContext, engine: &EngineHandle, why: &str) {
     let _ = ctx.router.clear_kv(&engine.id);
-    let kv = if engine.spec.kv_events.is_none() {
+    let kv = if !engine.has_kv_events() {
         engine.synced_state()
     } else {
         KvState::Incomplete(format!("{why}: rebuilding its KV view from its replay socket"))
@@ -164,7 +249,7 @@ async fn load_loop(ctx: EngineContext, engine: Arc<EngineHandle>) {
     .await;
 }
 
-async fn check_health(ctx: &EngineContext, engine: &EngineHandle, refresh_models: bool) {
+async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_models: bool) {
     let timeout = ctx.settings.health_interval.min(Duration::from_secs(5));
     let ok = match ctx.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
         Ok(r) => r.status().is_success(),
@@ -182,6 +267,9 @@ async fn check_health(ctx: &EngineContext, engine: &EngineHandle, refresh_models
         }
         if refresh_models || engine.models.lock().is_empty() {
             refresh_model_list(ctx, engine, timeout).await;
+        }
+        if engine.wants_kv_discovery() {
+            discover_kv_events(ctx, engine, timeout).await;
         }
     } else {
         let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -308,5 +396,35 @@ pub fn to_snapshot(ctx: &EngineContext, load: &EngineLoad) -> LoadSnapshot {
             prompt_tokens_per_waiting: per_waiting,
             decode_tokens_per_running: per_running,
         }),
+    }
+}
+
+#[cfg(test)]
+mod discovery_tests {
+    use super::announced_kv_events;
+    use crate::config::WorkerSpec;
+    use serde_json::json;
+
+    #[test]
+    fn sglang_announcements_become_kv_event_settings_on_the_engines_host() {
+        let spec = WorkerSpec::new("http://10.0.0.7:30000");
+        let info = json!({"kv_events": {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557,
+            "topic": "", "block_size": 16, "dp_size": 2, "replay_endpoint_port_base": 5558}});
+        let s = announced_kv_events(&spec, &info).unwrap();
+        assert_eq!((s.kv_events.as_deref(), s.replay.as_deref()), (Some(":5557"), Some(":5558")));
+        assert_eq!((s.block_size, s.dp_size, s.topic.as_deref()), (Some(16), Some(2), Some("")));
+        assert_eq!(s.kv_events_endpoint().as_deref(), Some("tcp://10.0.0.7:5557"), "a wildcard is the engine's host");
+        let named = json!({"kv_events": {"publisher": "zmq", "endpoint_host": "10.0.0.9", "endpoint_port_base": 6000}});
+        assert_eq!(announced_kv_events(&spec, &named).unwrap().kv_events.as_deref(), Some("tcp://10.0.0.9:6000"));
+        let arg = json!({"kv_events_config": "{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}"});
+        let s = announced_kv_events(&spec, &arg).unwrap();
+        assert_eq!((s.kv_events.as_deref(), s.replay.as_deref()), (Some(":5557"), Some(":5558")));
+        for none in [
+            json!({"kv_events": {"publisher": "null"}}),
+            json!({"version": "0.5"}),
+            json!({"kv_events_config": "{\"publisher\": \"null\"}"}),
+        ] {
+            assert!(announced_kv_events(&spec, &none).is_none(), "{none}");
+        }
     }
 }

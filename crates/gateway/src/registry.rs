@@ -65,6 +65,9 @@ pub struct EngineHandle {
     pub resync: tokio::sync::watch::Sender<u64>,
     /// Why the engine's KV events can't be used at all (a block-size mismatch), if they can't.
     pub config_problem: Mutex<Option<String>>,
+    /// The KV-event settings the engine announced (`GET /server_info`), for an engine configured
+    /// without `kv_events`; `Some(None)` once it said it publishes none.
+    pub discovered: Mutex<Option<Option<WorkerSpec>>>,
     /// Its metric series.
     pub metrics: crate::metrics::EngineMetrics,
     pub(crate) identity: Mutex<Identity>,
@@ -131,6 +134,7 @@ impl EngineHandle {
             stream: Arc::new(crate::kv_events::StreamStats::new()),
             resync: tokio::sync::watch::Sender::new(0),
             config_problem: Mutex::new(None),
+            discovered: Mutex::new(None),
             identity: Mutex::new(Identity::default()),
             outlier: Mutex::new(Outlier::default()),
             tasks: Mutex::new(Vec::new()),
@@ -159,6 +163,26 @@ impl EngineHandle {
         }
     }
 
+    /// The settings its KV events come with: the configured ones, or those the engine announced.
+    pub fn kv_spec(&self) -> Option<WorkerSpec> {
+        if self.spec.kv_events.is_some() {
+            return Some(self.spec.clone());
+        }
+        self.discovered.lock().clone().flatten()
+    }
+
+    /// Whether it has a KV event stream (configured or announced).
+    pub fn has_kv_events(&self) -> bool {
+        self.spec.kv_events.is_some() || matches!(*self.discovered.lock(), Some(Some(_)))
+    }
+
+    /// Whether its `GET /server_info` should still be asked where it publishes KV events.
+    pub fn wants_kv_discovery(&self) -> bool {
+        self.spec.kv_events.is_none()
+            && self.spec.discover_kv_events.unwrap_or(self.spec.engine != EngineKind::Vllm)
+            && self.discovered.lock().is_none()
+    }
+
     /// A snapshot for the admin API.
     pub fn view(&self, ctx: &EngineContext) -> EngineView {
         let identity = *self.identity.lock();
@@ -181,7 +205,7 @@ impl EngineHandle {
             engine_started_at_s: identity.start_time_s,
             router: ctx.router.worker_status(&self.id, ctx.clock.now()).ok(),
             last_event_seq: self.stream.view().last_seq,
-            kv_events: self.spec.kv_events.as_ref().map(|_| self.stream.view()),
+            kv_events: self.has_kv_events().then(|| self.stream.view()),
         }
     }
 }
@@ -261,6 +285,8 @@ pub struct EngineSettings {
     pub assumed_decode_tokens: u64,
     /// Passive health among them.
     pub limits: Limits,
+    /// See [`GatewayConfig::block_size`].
+    pub block_size: u32,
 }
 
 impl EngineSettings {
@@ -273,6 +299,7 @@ impl EngineSettings {
             assumed_prompt_tokens: c.assumed_prompt_tokens,
             assumed_decode_tokens: c.assumed_decode_tokens,
             limits: c.limits,
+            block_size: c.block_size,
         }
     }
 }

@@ -5,7 +5,8 @@
 //! every flag of `smg launch --help` is either accepted or listed here.
 
 const PD: &str = "kvgate sends each request to one engine that does its prefill and its decode: prefill/decode (and encode) disaggregation is not supported";
-const DISCOVERY: &str = "kvgate has no service discovery: list the engines with --worker (or [[workers]] in the file) and add or remove them at run time with POST /workers and DELETE /workers/{id} (or /admin/workers)";
+const DISCOVERY: &str = "kvgate has no Kubernetes discovery: list the engines with --worker, watch a file of them with --workers-file (reread on change and on SIGHUP), or add and remove them at run time with POST /workers and DELETE /workers/{id}";
+const DISCOVERY_FILE: &str = "kvgate watches a workers file of its own shape instead (TOML [[workers]] or JSON, each entry with its KV-event endpoints): --workers-file FILE, checked every workers_file_poll_ms ([discovery] in the config) and reread on SIGHUP";
 const MEDIA: &str =
     "kvgate forwards multimodal inputs to the engines unchanged; it neither fetches nor preprocesses media";
 const HISTORY: &str =
@@ -61,8 +62,8 @@ pub const REFUSED: &[(&str, &str)] = &[
     ("--kv-engine-id-annotation", DISCOVERY),
     ("--router-selector", DISCOVERY),
     ("--model-id-from", DISCOVERY),
-    ("--discovery-file", DISCOVERY),
-    ("--discovery-check-interval-secs", DISCOVERY),
+    ("--discovery-file", DISCOVERY_FILE),
+    ("--discovery-check-interval-secs", DISCOVERY_FILE),
     ("--multimodal-tensor-transport", MEDIA),
     ("--multimodal-shm-min-bytes", MEDIA),
     ("--multimodal-max-inflight-bytes", MEDIA),

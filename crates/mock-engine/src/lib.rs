@@ -153,7 +153,16 @@ impl MockEngine {
             .await
             .map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let port_of = |e: &str| e.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+        // SGLang announces where it publishes (engine-protocols.md §1); vLLM has no such route.
+        let server_info = (cfg.format == EventFormat::Sglang).then(|| {
+            serde_json::json!({"kv_events": {
+                "publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": port_of(&sockets.pub_endpoint),
+                "topic": cfg.format.topic(), "block_size": cfg.profile.block_size, "dp_size": 1,
+                "replay_endpoint_port_base": port_of(&sockets.replay_endpoint)}})
+        });
         let app = server::routes(server::ServerState {
+            server_info,
             commands: cmd_tx.clone(),
             shared: shared.clone(),
             faults: faults.clone(),

@@ -45,6 +45,9 @@ pub struct ServerState {
     pub capacity_tokens: u64,
     /// Tokens per KV block, for `/metrics`.
     pub block_size: u32,
+    /// What `GET /server_info` answers, as SGLang does (its KV-events announcement); `None` (404)
+    /// for a vLLM-format engine, which has no such route.
+    pub server_info: Option<serde_json::Value>,
 }
 
 /// The routes.
@@ -60,7 +63,15 @@ pub fn routes(state: ServerState) -> Router {
         .route("/admin/fault", post(set_faults).get(get_faults))
         .route("/admin/restart", post(restart))
         .route("/admin/stall", post(stall))
+        .route("/server_info", get(server_info))
         .with_state(state)
+}
+
+async fn server_info(State(s): State<ServerState>) -> Response {
+    match s.server_info {
+        Some(info) => Json(info).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -35,7 +35,12 @@ async fn gateway_with(engines: &[MockEngine], extra: &str, replay: bool) -> Gw {
             if replay { format!("replay = \"{}\"\n", e.replay) } else { String::new() }
         ));
     }
-    let mut cfg = GatewayConfig::from_toml(&toml).unwrap();
+    start_gateway(&toml).await
+}
+
+/// The real gateway on port 0 with `toml`.
+async fn start_gateway(toml: &str) -> Gw {
+    let mut cfg = GatewayConfig::from_toml(toml).unwrap();
     cfg.port = 0;
     let state = AppState::new(cfg).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -392,4 +397,46 @@ async fn the_mock_reads_requests_with_the_gateways_parser() {
     let r = client.post(format!("{}/v1/chat/completions", engine.url)).json(&bad).send().await.unwrap();
     assert_eq!(r.status(), 400);
     assert!(r.text().await.unwrap().contains("messages[0]"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_alone_is_enough_for_an_engine_that_announces_its_kv_events() {
+    let mut es = Vec::new();
+    for i in 0..2 {
+        let cfg = MockConfig {
+            speedup: 50.0,
+            seed: i + 1,
+            format: kvgate_mock_engine::EventFormat::Sglang,
+            ..MockConfig::default()
+        };
+        es.push(MockEngine::start(cfg).await.unwrap());
+    }
+    // No kv_events, no replay: only the URLs, as SMG users give them.
+    let mut toml = "[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 200\n".to_owned();
+    for (i, e) in es.iter().enumerate() {
+        toml.push_str(&format!("[[workers]]\nid = \"e{i}\"\nurl = \"{}\"\nengine = \"sglang\"\n", e.url));
+    }
+    let gw = start_gateway(&toml).await;
+    ready(&gw, &es, 1).await;
+    let view = gw.client.get(format!("{}/admin/workers", gw.url)).send().await.unwrap().json::<Value>().await.unwrap();
+    for w in view["workers"].as_array().unwrap() {
+        assert!(w["kv_events"].is_object(), "the announced stream is shown: {w}");
+    }
+    let system = long_prompt("announced");
+    assert_eq!(post(&gw, &chat(&system, "first", false)).await.status(), 200);
+    wait("the owner's blocks, from the announced stream", || holder(&gw).is_some()).await;
+    let d: Value = gw
+        .client
+        .post(format!("{}/admin/decide", gw.url))
+        .json(&chat(&system, "second", false))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let owner = holder(&gw).unwrap();
+    let scores = d["decision"]["scores"].as_array().unwrap();
+    let credited = scores.iter().find(|s| s["worker"] == owner.as_str()).unwrap()["cached_tokens"].as_u64().unwrap();
+    assert!(credited > 1000, "the owner is credited with the prompt it cached: {d}");
 }

@@ -108,14 +108,7 @@ pub async fn add(State(state): State<Arc<AppState>>, headers: HeaderMap, body: B
         let why = "per-worker api_key is not supported: kvgate sends one key to every engine (--worker-api-key)";
         return Ok(smg_error(StatusCode::BAD_REQUEST, "BAD_REQUEST", why));
     }
-    let mut spec = json!({"url": b.url});
-    if let Some(id) = b.id {
-        spec["id"] = json!(id);
-    }
-    let spec: WorkerSpec = match serde_json::from_value(spec) {
-        Ok(s) => s,
-        Err(e) => return Ok(smg_error(StatusCode::BAD_REQUEST, "BAD_REQUEST", e.to_string())),
-    };
+    let spec = WorkerSpec { id: b.id, ..WorkerSpec::new(b.url.clone()) };
     let handle = match state.add_engine(&spec) {
         Ok(h) => h,
         Err(GatewayError::Conflict(m)) => return Ok(smg_error(StatusCode::CONFLICT, "WORKER_EXISTS", m)),

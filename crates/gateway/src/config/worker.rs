@@ -70,6 +70,10 @@ pub struct WorkerSpec {
     /// replays on the `replay` port + r), as vLLM and SGLang do. Default 1.
     #[serde(default)]
     pub dp_size: Option<u16>,
+    /// Without `kv_events`, ask the engine's `GET /server_info` where it publishes them (SGLang
+    /// announces its KV-events configuration there). Default: on, unless `engine = "vllm"`.
+    #[serde(default)]
+    pub discover_kv_events: Option<bool>,
 }
 
 /// `url` without its userinfo (`user:secret@`), which must never reach a label, a log line or a
@@ -122,6 +126,7 @@ impl WorkerSpec {
             topic: None,
             block_size: None,
             dp_size: None,
+            discover_kv_events: None,
         }
     }
 

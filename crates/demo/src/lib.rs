@@ -309,6 +309,7 @@ pub async fn run_one_on(
         },
         throughput: Throughput::over(output, ok.len() as u64, span),
         ttft_s: Percentiles3::of(&mut ttft),
+        ttft_cdf: kvgate_sim::report::quantiles(&mut ttft, kvgate_sim::report::CDF_POINTS),
         e2e_s: Percentiles2::of(&mut e2e),
         cache: Cache::of(prompt, cached),
         workers: after

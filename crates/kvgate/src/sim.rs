@@ -190,8 +190,8 @@ pub fn write_reports(
     header: &str,
 ) -> anyhow::Result<()> {
     if let Some(path) = plot {
-        std::fs::write(path, kvgate_sim::plot::svg(reports))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        let svg = kvgate_sim::plot::svg(reports)?;
+        std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))?;
     }
     match format {
         Format::Table => {

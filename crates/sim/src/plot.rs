@@ -1,92 +1,149 @@
-//! SVG charts of simulator runs: per-engine queue depth over time (one panel per policy) and TTFT
-//! percentiles per policy. Hand-written SVG: a few dozen lines do not justify a plotting stack.
+//! Charts of simulator and demo runs, drawn with `plotters` into one SVG document: first the TTFT
+//! distribution of every policy (a CDF, the picture that shows tails), then, per policy, each
+//! engine's waiting queue over time. Every chart has a title saying what is compared, axis
+//! descriptions with units, tick labels and a legend. The busiest engines are named in the legend;
+//! the rest are drawn in grey as one group, so that a 51-engine fleet stays readable.
 
-use std::fmt::Write;
+use plotters::prelude::*;
 
 use crate::Report;
 
-const PANEL_W: f64 = 520.0;
-const PANEL_H: f64 = 180.0;
-const MARGIN: f64 = 50.0;
+/// Width of the document, pixels.
+const WIDTH: u32 = 960;
+/// Height of the CDF chart.
+const CDF_HEIGHT: u32 = 460;
+/// Height of each queue chart.
+const QUEUE_HEIGHT: u32 = 320;
+/// Engines named in a queue chart's legend; the others form one grey group.
+const NAMED_ENGINES: usize = 3;
 
-/// One SVG document for the reports.
-pub fn svg(reports: &[Report]) -> String {
-    let panels = reports.len() as f64;
-    let height = MARGIN + panels * (PANEL_H + MARGIN) + PANEL_H + 2.0 * MARGIN;
-    let width = PANEL_W + 2.0 * MARGIN;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let max_t = reports.iter().flat_map(|r| r.timeline.last().map(|(t, _)| *t)).fold(1.0, f64::max);
-    let max_q =
-        reports.iter().flat_map(|r| r.timeline.iter().flat_map(|(_, d)| d.iter().copied())).max().unwrap_or(1).max(1)
-            as f64;
-    for (p, r) in reports.iter().enumerate() {
-        let top = MARGIN + p as f64 * (PANEL_H + MARGIN);
-        let _ = writeln!(
-            s,
-            "<text x=\"{MARGIN}\" y=\"{}\">{} — waiting requests per engine over time (max {max_q})</text>",
-            top - 8.0,
-            r.label()
-        );
-        axes(&mut s, top, "s", max_t);
-        let engines = r.timeline.first().map_or(0, |(_, d)| d.len());
-        for e in 0..engines {
-            let mut path = String::new();
-            for (i, (t, d)) in r.timeline.iter().enumerate() {
-                let x = MARGIN + t / max_t * PANEL_W;
-                let y = top + PANEL_H - d[e] as f64 / max_q * PANEL_H;
-                let _ = write!(path, "{}{x:.1},{y:.1} ", if i == 0 { "M" } else { "L" });
-            }
-            let hue = (e * 137) % 360;
-            let _ = writeln!(s, "<path d=\"{path}\" fill=\"none\" stroke=\"hsl({hue},70%,45%)\" stroke-width=\"1\"/>");
-        }
-    }
-    let top = MARGIN + panels * (PANEL_H + MARGIN);
-    let max_ttft = reports.iter().map(|r| r.ttft_s.p99).fold(0.001, f64::max);
-    let _ = writeln!(
-        s,
-        "<text x=\"{MARGIN}\" y=\"{}\">TTFT p50 / p90 / p99 per policy, seconds (max {max_ttft:.2})</text>",
-        top - 8.0
-    );
-    axes(&mut s, top, "", 0.0);
-    let slot = PANEL_W / reports.len().max(1) as f64;
-    for (i, r) in reports.iter().enumerate() {
-        for (j, (v, shade)) in [(r.ttft_s.p50, 75), (r.ttft_s.p90, 55), (r.ttft_s.p99, 35)].into_iter().enumerate() {
-            let h = v / max_ttft * PANEL_H;
-            let x = MARGIN + i as f64 * slot + 4.0 + j as f64 * (slot - 8.0) / 3.0;
-            let _ = writeln!(
-                s,
-                "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{h:.1}\" fill=\"hsl(210,60%,{shade}%)\"/>",
-                top + PANEL_H - h,
-                (slot - 8.0) / 3.0 - 1.0
-            );
-        }
-        let _ = writeln!(
-            s,
-            "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"9\">{}</text>",
-            MARGIN + i as f64 * slot + 2.0,
-            top + PANEL_H + 12.0,
-            r.label()
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+/// A chart that could not be drawn.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot draw the plot: {0}")]
+pub struct PlotError(String);
+
+fn err(e: impl std::fmt::Display) -> PlotError {
+    PlotError(e.to_string())
 }
 
-fn axes(s: &mut String, top: f64, unit: &str, max_x: f64) {
-    let _ = writeln!(
-        s,
-        "<path d=\"M{MARGIN},{top} L{MARGIN},{b} L{r},{b}\" fill=\"none\" stroke=\"black\"/>",
-        b = top + PANEL_H,
-        r = MARGIN + PANEL_W
-    );
-    if max_x > 0.0 {
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{max_x:.0} {unit}</text>",
-            MARGIN + PANEL_W,
-            top + PANEL_H + 12.0
-        );
+/// The colour of series `i` of `n`, evenly spaced around the hue circle.
+fn colour(i: usize, n: usize) -> HSLColor {
+    HSLColor(i as f64 / n.max(1) as f64, 0.7, 0.42)
+}
+
+/// One SVG document charting `reports` (runs of one scenario, one per policy).
+pub fn svg(reports: &[Report]) -> Result<String, PlotError> {
+    let with_timeline: Vec<&Report> = reports.iter().filter(|r| !r.timeline.is_empty()).collect();
+    let height = CDF_HEIGHT + QUEUE_HEIGHT * with_timeline.len() as u32;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let (top, rest) = root.split_vertically(CDF_HEIGHT);
+        ttft_cdf(&top, reports)?;
+        let mut area = rest;
+        for r in with_timeline {
+            let (panel, below) = area.split_vertically(QUEUE_HEIGHT);
+            queues(&panel, r)?;
+            area = below;
+        }
+        root.present().map_err(err)?;
     }
+    Ok(out)
+}
+
+fn scenario_of(reports: &[Report]) -> String {
+    reports.first().map_or_else(String::new, |r| r.scenario.clone())
+}
+
+fn ttft_cdf<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    reports: &[Report],
+) -> Result<(), PlotError>
+where
+    DB::ErrorType: 'static,
+{
+    let max_t = reports.iter().filter_map(|r| r.ttft_cdf.last().copied()).fold(0.0, f64::max).max(1e-3) * 1.05;
+    let title = format!("{}: time to first token, {} policies compared (CDF)", scenario_of(reports), reports.len());
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 20))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_t, 0.0..1.0)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("time to first token (s)")
+        .y_desc("share of requests")
+        .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
+        .draw()
+        .map_err(err)?;
+    for (i, r) in reports.iter().enumerate() {
+        let c = colour(i, reports.len());
+        let n = r.ttft_cdf.len();
+        let points = r.ttft_cdf.iter().enumerate().map(|(k, t)| (*t, k as f64 / (n.max(2) - 1) as f64));
+        let label = if n == 0 { format!("{} (no request completed)", r.label()) } else { r.label() };
+        chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
+}
+
+fn queues<DB: DrawingBackend>(area: &DrawingArea<DB, plotters::coord::Shift>, r: &Report) -> Result<(), PlotError>
+where
+    DB::ErrorType: 'static,
+{
+    let engines = r.timeline.first().map_or(0, |(_, d)| d.len());
+    let max_t = r.timeline.last().map_or(1.0, |(t, _)| *t).max(1e-3);
+    let peak = |e: usize| r.timeline.iter().map(|(_, d)| d[e]).max().unwrap_or(0);
+    let max_q = (0..engines).map(peak).max().unwrap_or(0).max(1) as f64 * 1.05;
+    let mut busiest: Vec<usize> = (0..engines).collect();
+    busiest.sort_by_key(|&e| std::cmp::Reverse(peak(e)));
+    let named: Vec<usize> = busiest.iter().copied().take(NAMED_ENGINES).collect();
+    let title = format!("{}: waiting requests per engine over time, {}", r.scenario, r.label());
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_t, 0.0..max_q)
+        .map_err(err)?;
+    chart.configure_mesh().x_desc("time (s)").y_desc("waiting requests").draw().map_err(err)?;
+    let series = |e: usize| r.timeline.iter().map(move |(t, d)| (*t, f64::from(d[e])));
+    let others: Vec<usize> = busiest.iter().copied().skip(NAMED_ENGINES).collect();
+    let grey = RGBColor(170, 170, 170);
+    for (k, &e) in others.iter().enumerate() {
+        let drawn = chart.draw_series(LineSeries::new(series(e), grey.stroke_width(1))).map_err(err)?;
+        if k == 0 {
+            drawn
+                .label(format!("the other {} engines", others.len()))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(1)));
+        }
+    }
+    for (i, &e) in named.iter().enumerate() {
+        let c = colour(i, named.len());
+        let id = r.workers.get(e).map_or_else(|| format!("engine {e}"), |w| w.id.clone());
+        chart
+            .draw_series(LineSeries::new(series(e), c.stroke_width(2)))
+            .map_err(err)?
+            .label(format!("{id} (peak {})", peak(e)))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
 }

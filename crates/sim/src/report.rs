@@ -210,6 +210,7 @@ impl Recorder {
             },
             throughput: Throughput::over(output, completed.len() as u64, span),
             ttft_s: Percentiles3::of(&mut ttft),
+            ttft_cdf: quantiles(&mut ttft, CDF_POINTS),
             e2e_s: Percentiles2::of(&mut e2e),
             cache: Cache::of(prompt, cached),
             workers: (0..self.worker_requests.len())
@@ -241,6 +242,20 @@ impl Recorder {
 pub fn round(x: f64) -> f64 {
     (x * 1e4).round() / 1e4
 }
+
+/// `points` quantiles of `samples` from the smallest to the largest (sorted in place), for a CDF:
+/// entry i is the value below which i / (points - 1) of the samples lie. Empty without samples.
+pub fn quantiles(samples: &mut [f64], points: usize) -> Vec<f64> {
+    if samples.is_empty() || points < 2 {
+        return Vec::new();
+    }
+    samples.sort_by(f64::total_cmp);
+    let last = samples.len() - 1;
+    (0..points).map(|i| samples[(i * last).div_ceil(points - 1)]).collect()
+}
+
+/// Points of each TTFT CDF kept in a report (one per percent).
+pub const CDF_POINTS: usize = 101;
 
 /// Nearest-rank percentile.
 pub fn pct(v: &mut [f64], q: f64) -> f64 {
@@ -423,6 +438,10 @@ pub struct Report {
     /// Per-engine queue depth samples `(seconds, depths)`, when asked for.
     #[serde(skip)]
     pub timeline: Vec<(f64, Vec<u32>)>,
+    /// The TTFT distribution, seconds: [`CDF_POINTS`] quantiles from the fastest to the slowest
+    /// (empty when nothing completed), for the CDF plot.
+    #[serde(skip)]
+    pub ttft_cdf: Vec<f64>,
 }
 
 impl Report {

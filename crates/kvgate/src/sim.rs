@@ -24,9 +24,10 @@ pub enum Format {
 /// Flags of `kvgate sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Scenario: hot-prefix-51, multi-prefix, mooncake or azure.
-    #[arg(long, default_value = "hot-prefix-51")]
-    scenario: String,
+    /// Scenario: hot-prefix-51, multi-prefix, mooncake or azure [default: hot-prefix-51, or with
+    /// --trace the replay its extension names: .jsonl mooncake, .csv azure].
+    #[arg(long)]
+    scenario: Option<String>,
     /// Trace file for mooncake (JSONL) and azure (CSV) replays.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -112,7 +113,24 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
         bail!("--workers must be between 1 and 4096");
     }
     let trace = |default: &str| -> PathBuf { a.trace.clone().unwrap_or_else(|| PathBuf::from(default)) };
-    Ok(match a.scenario.as_str() {
+    let scenario = match (a.scenario.as_deref(), a.trace.as_deref()) {
+        (Some(s), None) => s,
+        (None, None) => "hot-prefix-51",
+        // A trace without a scenario: its extension says which replay it is.
+        (None, Some(t)) => match t.extension().and_then(|e| e.to_str()) {
+            Some("jsonl") => "mooncake",
+            Some("csv") => "azure",
+            _ => bail!(
+                "cannot tell the format of --trace {}: name it .jsonl (Mooncake) or .csv (Azure), or give --scenario mooncake or azure",
+                t.display()
+            ),
+        },
+        (Some(s @ ("hot-prefix-51" | "multi-prefix")), Some(t)) => {
+            bail!("--trace {} applies to the mooncake and azure replays, not to the synthetic {s}", t.display())
+        }
+        (Some(s), Some(_)) => s,
+    };
+    Ok(match scenario {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
         "mooncake" => workload::mooncake(

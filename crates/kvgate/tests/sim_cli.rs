@@ -104,3 +104,31 @@ fn bad_flags_are_rejected_with_a_message() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn a_trace_alone_picks_its_replay_by_extension_and_an_unknown_one_is_refused() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+    assert!(std::path::Path::new(trace).exists(), "{trace}: the tests need ../shared/data beside the checkout");
+    let r = ok_json(&["sim", "--trace", trace, "--limit", "40", "--speedup", "6", "--format", "json"]);
+    assert_eq!(
+        r["scenario"], "mooncake:mooncake_conversation_trace.jsonl",
+        "the .jsonl trace is replayed, not ignored"
+    );
+    let out = kvgate(&["sim", "--trace", "/tmp/trace.txt"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give --scenario mooncake or azure"));
+    let out = kvgate(&["sim", "--scenario", "multi-prefix", "--trace", trace]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("applies to the mooncake and azure replays"));
+}
+
+#[test]
+fn a_run_that_completed_nothing_shows_no_latency_rather_than_zero() {
+    // Cap-one seeding piles the hot prefix onto its overloaded owner: every request is refused.
+    let args = ["sim", "--scenario", "hot-prefix-51", "--duration", "2", "--policy", "cache_aware_seeded"];
+    let r = ok_json(&[&args[..], &["--format", "json"]].concat());
+    assert_eq!(r["requests"]["completed"], 0, "{}", r["requests"]);
+    assert!(r["ttft_s"]["p99"].is_null() && r["e2e_s"]["p99"].is_null(), "{} {}", r["ttft_s"], r["e2e_s"]);
+    let table = String::from_utf8(kvgate(&args).stdout).unwrap();
+    let row = table.lines().find(|l| l.starts_with("cache_aware_seeded")).unwrap();
+    assert_eq!(row.split_whitespace().nth(6), Some("-"), "ttft p50 is '-': {row}");
+}

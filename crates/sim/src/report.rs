@@ -257,10 +257,11 @@ pub fn quantiles(samples: &mut [f64], points: usize) -> Vec<f64> {
 /// Points of each TTFT CDF kept in a report (one per percent).
 pub const CDF_POINTS: usize = 101;
 
-/// Nearest-rank percentile.
+/// Nearest-rank percentile; NaN without samples, so that a run that completed nothing shows no
+/// latency (`-` in tables, `null` in JSON) instead of a 0.00 that reads as the best result.
 pub fn pct(v: &mut [f64], q: f64) -> f64 {
     if v.is_empty() {
-        return 0.0;
+        return f64::NAN;
     }
     v.sort_by(f64::total_cmp);
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
@@ -473,20 +474,22 @@ pub fn table(reports: &[Report]) -> String {
         "owner",
         "maxQ"
     );
+    // A latency of no request at all is shown as `-`, never as 0.00.
+    let secs = |v: f64| if v.is_nan() { "-".to_owned() } else { format!("{v:.2}") };
     for r in reports {
         let max_q = r.workers.iter().map(|w| w.max_waiting).max().unwrap_or(0);
         out += &format!(
-            "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>6.3} {:>9.2} {:>6.2} {:>6}\n",
+            "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>6.3} {:>9.2} {:>6.2} {:>6}\n",
             r.label(),
             r.requests.total,
             r.requests.completed,
             r.requests.rejected,
             r.requests.failed,
             r.throughput.output_tokens_per_s,
-            r.ttft_s.p50,
-            r.ttft_s.p90,
-            r.ttft_s.p99,
-            r.e2e_s.p99,
+            secs(r.ttft_s.p50),
+            secs(r.ttft_s.p90),
+            secs(r.ttft_s.p99),
+            secs(r.e2e_s.p99),
             r.cache.hit_rate,
             r.cache.prefill_tokens_computed as f64 / 1e6,
             r.hot_prefix.owner_share,

@@ -123,13 +123,15 @@ impl Gateway {
         r["decisions"][0]["decision"]["worker"].as_str().map(str::to_owned).context("no decision yet")
     }
 
-    /// Waits until `id`'s load report shows it idle (nothing running or waiting): after requests
-    /// sent to the engine directly, which no reservation of kvgate's reconciles, or before a
-    /// measurement that needs a quiet engine.
+    /// Waits until a load report of `id` taken after this call began shows it idle (nothing running
+    /// or waiting). An older report, even one that says idle, predates the request that just ended,
+    /// and the ledger keeps that request's work until a report covers it.
     pub async fn wait_idle(&self, id: &str) -> anyhow::Result<()> {
-        self.wait_for(&format!("{id}'s load report to show it idle"), Duration::from_secs(10), || async {
+        let since = Instant::now();
+        self.wait_for(&format!("a fresh load report showing {id} idle"), Duration::from_secs(10), || async {
             let r = &self.worker(id).await?["router"];
-            Ok(r["running_requests"] == 0 && r["waiting_requests"] == 0)
+            let fresh = r["load_age_ms"].as_u64().is_some_and(|age| u128::from(age) < since.elapsed().as_millis());
+            Ok(fresh && r["running_requests"] == 0 && r["waiting_requests"] == 0)
         })
         .await
     }

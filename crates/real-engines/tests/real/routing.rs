@@ -25,12 +25,21 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
 
     // Repeated requests, one at a time: the idle owner wins each.
     for i in 0..5 {
-        // A load report taken after the previous request finished, so c is seen idle again.
+        // A load report taken after the previous request finished, so c is seen idle again, and
+        // c's credit for the prompt settled (the previous request's KV events applied).
         gw.wait_idle("c").await?;
         let body = chat(&system, &format!("sequential question {i}"));
+        settled_credit(&gw, &body, "c").await?;
         let r = post(&gw.url, "/v1/chat/completions", &body).await?;
         let served = gw.last_choice().await?;
-        ensure!(served == "c", "sequential request {i} went to {served}, not the idle owner c: {r}");
+        if served != "c" {
+            let log: Value = http().get(format!("{}/admin/decisions?limit=1", gw.url)).send().await?.json().await?;
+            let workers: Value = http().get(format!("{}/admin/workers", gw.url)).send().await?.json().await?;
+            anyhow::bail!(
+                "sequential request {i} went to {served}, not the idle owner c: {r}\ndecision: {}\nworkers: {workers}",
+                log["decisions"][0]
+            );
+        }
     }
 
     // A burst of 24 at once: c holds 2,048 tokens of KV, so most would queue there.

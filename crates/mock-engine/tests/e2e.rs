@@ -136,6 +136,16 @@ async fn ready(gw: &Gw, engines: &[MockEngine], gateways: usize) {
     .await;
 }
 
+/// The cached tokens `POST /admin/decide` credits `worker` with for `body`.
+async fn credit_on(gw: &Gw, body: Value, worker: String) -> u64 {
+    let d: Value =
+        gw.client.post(format!("{}/admin/decide", gw.url)).json(&body).send().await.unwrap().json().await.unwrap();
+    let scores = d["decision"]["scores"].as_array().unwrap();
+    let score =
+        scores.iter().find(|s| s["worker"] == worker.as_str()).unwrap_or_else(|| panic!("{worker} unscored: {d}"));
+    score["cached_tokens"].as_u64().unwrap()
+}
+
 fn holder(gw: &Gw) -> Option<String> {
     gw.state.router.workers(gw.state.clock.now()).into_iter().find(|w| w.blocks_held > 0).map(|w| w.id.to_string())
 }
@@ -263,24 +273,7 @@ async fn an_engine_restart_mid_run_clears_its_cache_credit_until_new_events_arri
     let id = kvgate_core::WorkerId::new(&owner);
     let stream = || gw.state.engine(&id).unwrap().stream.view();
     wait("the restart to be detected", || stream().restarts == 1).await;
-    let credit_for = |prompt: String| {
-        let (client, url, owner) = (gw.client.clone(), gw.url.clone(), owner.clone());
-        async move {
-            let d: Value = client
-                .post(format!("{url}/admin/decide"))
-                .json(&chat(&prompt, "q2", false))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            d["decision"]["scores"].as_array().unwrap().iter().find(|s| s["worker"] == owner.as_str()).unwrap()
-                ["cached_tokens"]
-                .as_u64()
-                .unwrap()
-        }
-    };
+    let credit_for = |prompt: String| credit_on(&gw, chat(&prompt, "q2", false), owner.clone());
     // The new process's events arrive (replayed from 0 after the restart) and are credited.
     let mut credit = 0;
     for _ in 0..250 {
@@ -425,18 +418,7 @@ async fn a_url_alone_is_enough_for_an_engine_that_announces_its_kv_events() {
     let system = long_prompt("announced");
     assert_eq!(post(&gw, &chat(&system, "first", false)).await.status(), 200);
     wait("the owner's blocks, from the announced stream", || holder(&gw).is_some()).await;
-    let d: Value = gw
-        .client
-        .post(format!("{}/admin/decide", gw.url))
-        .json(&chat(&system, "second", false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     let owner = holder(&gw).unwrap();
-    let scores = d["decision"]["scores"].as_array().unwrap();
-    let credited = scores.iter().find(|s| s["worker"] == owner.as_str()).unwrap()["cached_tokens"].as_u64().unwrap();
-    assert!(credited > 1000, "the owner is credited with the prompt it cached: {d}");
+    let credited = credit_on(&gw, chat(&system, "second", false), owner).await;
+    assert!(credited > 1000, "the owner is credited with the prompt it cached: {credited}");
 }

@@ -109,6 +109,10 @@ pub struct WorkerStatus {
     pub in_flight: u32,
     /// The ledger's adjustment on top of the latest report.
     pub reserved: LoadDelta,
+    /// Requests peer replicas have told this router they have in flight on it.
+    pub peer_in_flight: u32,
+    /// The adjustment for the peers' requests, reconciled with the report the same way.
+    pub peer_reserved: LoadDelta,
     /// Effective prefill throughput.
     pub prefill_tokens_per_s: f64,
     /// Effective decode throughput.
@@ -123,6 +127,8 @@ pub(crate) struct WorkerState {
     pub(crate) eligible: bool,
     pub(crate) snapshot: Option<LoadSnapshot>,
     pub(crate) ledger: WorkerLedger,
+    /// Reservations peer replicas shared (`crate::replicas`), under local synthetic request ids.
+    pub(crate) peer_ledger: WorkerLedger,
     pub(crate) routed: u64,
     /// The earliest dispatch not yet followed by a KV event: if it is old, events went quiet while
     /// traffic flowed and the worker's KV view is stale.
@@ -142,6 +148,7 @@ impl WorkerState {
             eligible: true,
             snapshot: None,
             ledger: WorkerLedger::default(),
+            peer_ledger: WorkerLedger::default(),
             routed: 0,
             unanswered_dispatch_since: None,
         }
@@ -150,12 +157,12 @@ impl WorkerState {
     /// The latest report plus the ledger's adjustment, clamped at zero.
     pub(crate) fn load(&self) -> WorkerLoad {
         let s = self.snapshot.unwrap_or_default();
-        let mut d = self.ledger.delta();
+        let mut d = self.ledger.delta().plus(self.peer_ledger.delta());
         if let Some(est) = s.estimated {
             // The report counted this router's requests still in prefill as one request each, with
             // an estimate; put back their real prefill work. The first of them sit in the queue
             // (counted at the per-waiting estimate), the rest run (counted as decode).
-            let seen = self.ledger.seen_in_prefill();
+            let seen = self.ledger.seen_in_prefill().plus(self.peer_ledger.seen_in_prefill());
             let queued = seen.requests.min(s.waiting_requests);
             let estimated_queued = match est.prompt_tokens_per_waiting {
                 Some(per) => queued.saturating_mul(per),
@@ -202,6 +209,8 @@ impl WorkerState {
             load_age_ms: self.snapshot.map(|s| now.saturating_since(s.observed_at).as_millis() as u64),
             in_flight: self.ledger.in_flight(),
             reserved: self.ledger.delta(),
+            peer_in_flight: self.peer_ledger.in_flight(),
+            peer_reserved: self.peer_ledger.delta(),
             prefill_tokens_per_s: load.prefill_tps,
             decode_tokens_per_s: load.decode_tps,
         }
@@ -222,9 +231,20 @@ pub(crate) struct Fleet {
     pub(crate) scratch_overlap: Vec<u32>,
     /// Decisions committed so far (round_robin's turn).
     pub(crate) turns: u64,
+    /// Peer replicas and the reservations they shared.
+    pub(crate) peers: crate::replicas::PeerBook,
+    /// This router's reservation changes not yet taken for sharing (`None`: not sharing).
+    pub(crate) outbox: Option<Vec<crate::replicas::ReservationChange>>,
 }
 
 impl Fleet {
+    /// Queues a change of this router's reservations for its peers, when sharing.
+    pub(crate) fn share(&mut self, change: crate::replicas::ReservationChange) {
+        if let Some(outbox) = self.outbox.as_mut() {
+            outbox.push(change);
+        }
+    }
+
     pub(crate) fn slot_of(&self, id: &WorkerId) -> Result<WorkerSlot, CoreError> {
         self.by_id.get(id).copied().ok_or_else(|| CoreError::UnknownWorker(id.clone()))
     }
@@ -255,7 +275,9 @@ impl Fleet {
         let dropped = state.ledger.drain();
         for req in &dropped {
             self.requests.remove(req);
+            self.share(crate::replicas::ReservationChange::Released { request: *req });
         }
+        self.peers.forget_slot(slot);
         self.seeds.retain(|_, owner| *owner != slot);
         self.free_slots.push(slot);
         Ok((slot, dropped))

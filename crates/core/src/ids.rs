@@ -34,6 +34,29 @@ impl From<&str> for WorkerId {
     }
 }
 
+/// A gateway replica, as it names itself to its peers on the replica bus.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReplicaId(Arc<str>);
+
+impl ReplicaId {
+    /// Wraps a replica's chosen name.
+    pub fn new(name: impl AsRef<str>) -> Self {
+        ReplicaId(Arc::from(name.as_ref()))
+    }
+
+    /// The name as given.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A request the router has decided and holds a reservation for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -15,7 +15,7 @@
 //! twice. A request is visible to a snapshot if its phase began strictly before the measurement.
 
 use rustc_hash::FxHashMap;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::ids::RequestId;
 use crate::time::Timestamp;
@@ -25,7 +25,7 @@ use crate::time::Timestamp;
 pub const MAX_RETAINED_FINISHED: usize = 4096;
 
 /// The work one request puts on a worker, fixed at decision time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Work {
     /// Prompt tokens the worker must prefill (the prompt minus its cached prefix there).
     pub prefill_tokens: u64,
@@ -51,6 +51,12 @@ pub struct LoadDelta {
 }
 
 impl LoadDelta {
+    /// Both adjustments summed.
+    pub fn plus(mut self, other: LoadDelta) -> LoadDelta {
+        self.add(other, 1);
+        self
+    }
+
     fn add(&mut self, other: LoadDelta, sign: i64) {
         self.waiting_requests += sign * other.waiting_requests;
         self.waiting_tokens += sign * other.waiting_tokens;
@@ -154,6 +160,11 @@ pub struct SeenInPrefill {
 }
 
 impl SeenInPrefill {
+    /// Both counts summed (this router's and its peers' requests).
+    pub fn plus(self, other: SeenInPrefill) -> SeenInPrefill {
+        SeenInPrefill { requests: self.requests + other.requests, tokens: self.tokens + other.tokens }
+    }
+
     fn add(&mut self, tokens: Option<u64>, sign: i64) {
         if let Some(t) = tokens {
             self.requests = (self.requests as i64 + sign).max(0) as u64;
@@ -199,6 +210,19 @@ impl WorkerLedger {
     /// Requests tracked, finished ones awaiting reconciliation included.
     pub fn tracked(&self) -> usize {
         self.requests.len()
+    }
+
+    /// Every unfinished request: its id, its work and whether it has reached decode.
+    pub fn unfinished(&self) -> impl Iterator<Item = (RequestId, Work, bool)> + '_ {
+        self.requests
+            .iter()
+            .filter(|(_, t)| t.finished_at.is_none())
+            .map(|(id, t)| (*id, t.work, t.first_token_at.is_some()))
+    }
+
+    /// Whether the request is tracked, unfinished and past its first token.
+    pub fn is_decoding(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_some_and(|t| t.finished_at.is_none() && t.first_token_at.is_some())
     }
 
     /// Starts tracking a request in its prefill phase. Returns false if the id is already tracked.

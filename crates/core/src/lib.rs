@@ -18,6 +18,7 @@
 //!   `cache_aware` baseline; knobs with their bounds.
 //! - [`decision`]: decision records and reasons.
 //! - [`router`]: the object that ties them together behind one lock per concern.
+//! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own.
 //!
 //! Time enters as [`Timestamp`] arguments and randomness as an RNG argument, so the gateway, the
 //! simulator and the tests run exactly this code.
@@ -66,6 +67,7 @@ pub mod kv_stream;
 pub mod ledger;
 pub mod load;
 pub mod policy;
+pub mod replicas;
 pub mod router;
 pub mod time;
 
@@ -73,9 +75,10 @@ pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};
 pub use error::CoreError;
 pub use fleet::{WorkerConfig, WorkerStatus, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S};
 pub use hashing::{BlockHasher, Namespace};
-pub use ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
+pub use ids::{BlockKey, ReplicaId, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};
 pub use load::{CountEstimate, LoadSnapshot};
 pub use policy::{Mode, PolicyConfig, PolicyName, PolicyPatch};
+pub use replicas::{HeldReservation, PeerApply, PeerStatus, ReservationChange};
 pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};
 pub use time::Timestamp;

@@ -18,6 +18,7 @@ use crate::ledger::Work;
 use crate::load::LoadSnapshot;
 use crate::policy::projected;
 use crate::policy::{least_load, policy_for, Choice, Choosing, PolicyConfig, Scored, SeedBook};
+use crate::replicas::ReservationChange;
 use crate::time::Timestamp;
 
 /// Bounds of the fleet's block size, in tokens.
@@ -79,7 +80,7 @@ pub struct Router {
     block_size: u32,
     policy: RwLock<PolicyConfig>,
     index: RwLock<KvIndex>,
-    fleet: Mutex<Fleet>,
+    pub(crate) fleet: Mutex<Fleet>,
 }
 
 impl Router {
@@ -147,6 +148,7 @@ impl Router {
         let mut fleet = self.fleet.lock();
         let worker = fleet.worker_mut(id)?;
         if worker.ledger.on_snapshot(snapshot.observed_at) {
+            worker.peer_ledger.on_snapshot(snapshot.observed_at);
             worker.snapshot = Some(snapshot);
         }
         Ok(())
@@ -241,6 +243,7 @@ impl Router {
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
+        fleet.share(ReservationChange::FirstToken { request: id });
         Ok(())
     }
 
@@ -251,6 +254,7 @@ impl Router {
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
+        fleet.share(ReservationChange::Released { request: id });
         Ok(())
     }
 
@@ -322,6 +326,10 @@ impl Router {
             }
             fleet.requests.insert(req.id, winner.slot);
             fleet.turns += 1;
+            if fleet.outbox.is_some() {
+                let worker = state_id(fleet, winner.slot);
+                fleet.share(ReservationChange::Reserved { request: req.id, worker, work });
+            }
         }
 
         let id_of = |i: usize| fleet.workers[scored[i].slot.index()].as_ref().expect("live").config.id.clone();
@@ -388,6 +396,10 @@ impl Router {
         fleet.scratch_overlap = raw;
         scored
     }
+}
+
+fn state_id(fleet: &Fleet, slot: WorkerSlot) -> WorkerId {
+    fleet.workers[slot.index()].as_ref().expect("live slot").config.id.clone()
 }
 
 /// Prompt tokens an engine can serve from `blocks` cached leading blocks: whole blocks only, and

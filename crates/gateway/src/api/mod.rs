@@ -48,6 +48,7 @@ pub fn routes(state: Arc<AppState>) -> Router {
         .route("/admin/tokenize", post(admin::tokenize))
         .route("/admin/decisions", get(admin::decisions))
         .route("/admin/discovery", get(admin::discovery))
+        .route("/admin/replicas", get(admin::replicas))
         .route("/admin/discovery/reload", post(admin::reload_discovery))
         .fallback(not_found)
         .with_state(state)

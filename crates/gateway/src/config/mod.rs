@@ -13,10 +13,12 @@ use crate::GatewayError;
 
 mod limits;
 mod overrides;
+mod replicas;
 mod worker;
 
 pub use limits::*;
 pub use overrides::Overrides;
+pub use replicas::{ReplicasConfig, DEFAULT_SUBJECT, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS};
 pub use worker::{rank_endpoint, redact_url, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
@@ -128,6 +130,8 @@ struct FileConfig {
     security: SecurityTable,
     #[serde(default)]
     discovery: DiscoveryTable,
+    #[serde(default)]
+    replicas: replicas::ReplicasTable,
     tokenizer: Option<TokenizerSpec>,
     #[serde(default)]
     workers: Vec<WorkerSpec>,
@@ -312,6 +316,8 @@ pub struct GatewayConfig {
     pub assumed_decode_tokens: u64,
     /// Timeouts, caps and passive health.
     pub limits: Limits,
+    /// Reservation sharing with the other replicas (`[replicas]`); `None`: this replica decides alone.
+    pub replicas: Option<ReplicasConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -420,6 +426,7 @@ impl GatewayConfig {
             assumed_prompt_tokens: pick(ASSUMED_PROMPT_TOKENS, t.assumed_prompt_tokens.map(|v| v as f64))? as u64,
             assumed_decode_tokens: pick(ASSUMED_DECODE_TOKENS, t.assumed_decode_tokens.map(|v| v as f64))? as u64,
             limits: Limits::build(s, t)?,
+            replicas: f.replicas.build()?,
         })
     }
 }
@@ -571,12 +578,14 @@ mod tests {
 
 #[cfg(test)]
 mod doc_tests {
-    use super::{KNOBS, LIMIT_KNOBS};
+    use super::{KNOBS, LIMIT_KNOBS, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS};
 
     #[test]
     fn operations_doc_lists_every_gateway_knob_with_its_code_bounds() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
-        for k in KNOBS.iter().chain(LIMIT_KNOBS) {
+        for k in
+            KNOBS.iter().chain(LIMIT_KNOBS).chain(&[REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS])
+        {
             let row = format!("| `{}` |", k.name);
             let line = doc
                 .lines()

@@ -112,6 +112,19 @@ pub struct Overrides {
     /// SMG's --header-read-timeout-secs: `header_timeout_ms` in seconds.
     #[arg(long, hide = true)]
     pub header_read_timeout_secs: Option<u64>,
+    /// NATS server(s) to share reservations with the other replicas on, e.g. nats://nats:4222
+    /// (several separated by commas); without one, this replica decides alone.
+    #[arg(long, env = "KVGATE_REPLICA_BUS")]
+    pub replica_bus: Option<String>,
+    /// Subject the replicas of this fleet share [default: kvgate.reservations].
+    #[arg(long, env = "KVGATE_REPLICA_SUBJECT")]
+    pub replica_subject: Option<String>,
+    /// This replica's name, unique among its peers [default: host name, process id, random suffix].
+    #[arg(long, env = "KVGATE_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// A peer not heard from for this many milliseconds is gone and its reservations end [default: 5000].
+    #[arg(long, env = "KVGATE_REPLICA_EXPIRY_MS")]
+    pub replica_expiry_ms: Option<u64>,
     /// Seconds to drain in-flight streams after SIGTERM or Ctrl-C [default: 30].
     #[arg(long, visible_alias = "shutdown-grace-period-secs", env = "KVGATE_SHUTDOWN_GRACE_S")]
     pub shutdown_grace_s: Option<f64>,
@@ -163,6 +176,12 @@ impl Overrides {
         set(&mut t.failures_to_open, self.failures_to_open);
 
         set(&mut file.discovery.workers_file, self.workers_file);
+
+        let r = &mut file.replicas;
+        set(&mut r.bus, self.replica_bus);
+        set(&mut r.subject, self.replica_subject);
+        set(&mut r.replica_id, self.replica_id);
+        set(&mut r.expiry_ms, self.replica_expiry_ms);
 
         let k = &mut file.security;
         k.api_keys.extend(self.api_keys);

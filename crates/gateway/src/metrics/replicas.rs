@@ -1,0 +1,53 @@
+//! `kvgate_replica_*`: the replica bus, seen from one replica.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// `direction` and `outcome` labels of bus messages.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MessageLabels {
+    /// `sent` or `received`.
+    pub direction: &'static str,
+    /// sent: `ok`, `dropped` (bus down), `too_large`; received: `ok`, `own`, `duplicate_id`,
+    /// `garbage`, `foreign`.
+    pub outcome: &'static str,
+}
+
+/// The replica bus metrics.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaMetrics {
+    /// 1 while the bus is connected.
+    pub connected: Gauge,
+    /// Peers heard from and not expired.
+    pub peers: Gauge,
+    /// Peers expired for silence.
+    pub peers_expired: Counter,
+    /// Peer reservation changes applied.
+    pub changes_applied: Counter,
+    messages: Family<MessageLabels, Counter>,
+}
+
+impl ReplicaMetrics {
+    /// Registers the metrics in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = ReplicaMetrics::default();
+        registry.register("replica_bus_connected", "1 while the replica bus (NATS) is connected", m.connected.clone());
+        registry.register("replica_peers", "Peer replicas heard from and not expired", m.peers.clone());
+        registry.register("replica_peers_expired", "Peer replicas expired for silence", m.peers_expired.clone());
+        registry.register(
+            "replica_changes_applied",
+            "Peer reservation changes applied to this replica's view",
+            m.changes_applied.clone(),
+        );
+        registry.register("replica_messages", "Replica bus messages by direction and outcome", m.messages.clone());
+        m
+    }
+
+    /// The counter of one direction and outcome.
+    pub fn messages(&self, direction: &'static str, outcome: &'static str) -> Counter {
+        self.messages.get_or_create(&MessageLabels { direction, outcome }).clone()
+    }
+}

@@ -154,6 +154,19 @@ impl WorkerState {
         }
     }
 
+    /// A request was sent to this worker (by this router or a peer replica) at `now`: if the events
+    /// have answered every earlier dispatch, the wait for an answer starts over.
+    pub(crate) fn note_dispatch(&mut self, now: Timestamp, last_event_at: Option<Timestamp>) {
+        let answered = match (self.unanswered_dispatch_since, last_event_at) {
+            (None, _) => true,
+            (Some(since), Some(event)) => event >= since,
+            (Some(_), None) => false,
+        };
+        if answered {
+            self.unanswered_dispatch_since = Some(now);
+        }
+    }
+
     /// The latest report plus the ledger's adjustment, clamped at zero.
     pub(crate) fn load(&self) -> WorkerLoad {
         let s = self.snapshot.unwrap_or_default();

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::fleet::{Fleet, WorkerState};
 use crate::ids::{ReplicaId, RequestId, WorkerId, WorkerSlot};
+use crate::index::KvIndex;
 use crate::ledger::Work;
 use crate::router::Router;
 use crate::time::Timestamp;
@@ -149,6 +150,7 @@ fn apply_change(
     next_local: &mut u64,
     workers: &mut [Option<WorkerState>],
     by_id: &FxHashMap<WorkerId, WorkerSlot>,
+    index: &KvIndex,
     change: &ReservationChange,
     now: Timestamp,
 ) -> PeerApply {
@@ -169,7 +171,11 @@ fn apply_change(
             };
             *next_local += 1;
             let local = RequestId(*next_local);
-            workers[slot.index()].as_mut().expect("by_id names live slots").peer_ledger.reserve(local, *work, now);
+            let w = workers[slot.index()].as_mut().expect("by_id names live slots");
+            w.peer_ledger.reserve(local, *work, now);
+            // A peer's dispatch waits for the engine's events as this router's own do, or a
+            // worker served mostly by peers would look quiet and lose its credit.
+            w.note_dispatch(now, index.last_event_at(slot));
             peer.requests.insert(*request, PeerReservation { slot, local });
             stats.applied += 1;
         }
@@ -235,11 +241,12 @@ impl Router {
     /// Applies a peer's reservation changes, in order, at local time `now`.
     pub fn apply_peer_changes(&self, peer: &ReplicaId, changes: &[ReservationChange], now: Timestamp) -> PeerApply {
         let mut guard = self.fleet.lock();
+        let index = self.index.read();
         let Fleet { workers, by_id, peers, .. } = &mut *guard;
         let (p, next_local) = peers.heard(peer, now);
         let mut stats = PeerApply::default();
         for change in changes {
-            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, change, now));
+            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, change, now));
         }
         stats
     }
@@ -248,6 +255,7 @@ impl Router {
     /// lists end, new ones start, and ones that reached decode move there.
     pub fn apply_peer_state(&self, peer: &ReplicaId, held: &[HeldReservation], now: Timestamp) -> PeerApply {
         let mut guard = self.fleet.lock();
+        let index = self.index.read();
         let Fleet { workers, by_id, peers, .. } = &mut *guard;
         let (p, next_local) = peers.heard(peer, now);
         let mut stats = PeerApply::default();
@@ -264,20 +272,21 @@ impl Router {
                 next_local,
                 workers.as_mut_slice(),
                 by_id,
+                &index,
                 &ReservationChange::Released { request },
                 now,
             ));
         }
         for h in held {
             let change = ReservationChange::Reserved { request: h.request, worker: h.worker.clone(), work: h.work };
-            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &change, now));
+            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, &change, now));
             if h.decoding {
                 let ledger_says_decoding = p.requests.get(&h.request).is_some_and(|r| {
                     workers[r.slot.index()].as_ref().is_some_and(|w| w.peer_ledger.is_decoding(r.local))
                 });
                 if !ledger_says_decoding {
                     let change = ReservationChange::FirstToken { request: h.request };
-                    stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &change, now));
+                    stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, &change, now));
                 }
             }
         }

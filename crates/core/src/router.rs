@@ -79,7 +79,7 @@ impl std::fmt::Display for DecideError {
 pub struct Router {
     block_size: u32,
     policy: RwLock<PolicyConfig>,
-    index: RwLock<KvIndex>,
+    pub(crate) index: RwLock<KvIndex>,
     pub(crate) fleet: Mutex<Fleet>,
 }
 
@@ -316,14 +316,7 @@ impl Router {
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
             state.routed += 1;
-            let answered = match (state.unanswered_dispatch_since, last_event_at) {
-                (None, _) => true,
-                (Some(since), Some(event)) => event >= since,
-                (Some(_), None) => false,
-            };
-            if answered {
-                state.unanswered_dispatch_since = Some(now);
-            }
+            state.note_dispatch(now, last_event_at);
             fleet.requests.insert(req.id, winner.slot);
             fleet.turns += 1;
             if fleet.outbox.is_some() {

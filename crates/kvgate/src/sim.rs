@@ -92,6 +92,16 @@ pub struct SimArgs {
     /// Router replicas behind one Service, each with its own reservations (1 to 64).
     #[arg(long, default_value_t = 1)]
     replicas: usize,
+    /// How replicas share reservations: none (each sees only its own until the next load report) or
+    /// nats (kvgate's [replicas] bus: 2 ms batches, 1 ms hop, full state every second).
+    #[arg(long, default_value = "none", value_parser = ["none", "nats"])]
+    replica_sync: String,
+    /// With --replica-sync nats: probability that a peer misses a bus message (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    replica_bus_loss: f64,
+    /// With --replica-sync nats: milliseconds from publish to a peer applying the message.
+    #[arg(long, default_value_t = 1)]
+    replica_bus_delay_ms: u64,
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -190,6 +200,11 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
         cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
         cfg.replicas = a.replicas;
+        cfg.replica_sync = (a.replica_sync == "nats").then(|| kvgate_sim::bus::BusModel {
+            loss: a.replica_bus_loss,
+            delay: Duration::from_millis(a.replica_bus_delay_ms),
+            ..Default::default()
+        });
         cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
         reports.push(kvgate_sim::run(&workload, cfg)?);
     }

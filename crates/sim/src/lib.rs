@@ -16,6 +16,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bus;
 pub mod faults;
 pub mod plot;
 pub mod policy;

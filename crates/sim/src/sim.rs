@@ -1,6 +1,7 @@
 //! The discrete-event loop: engines, the modelled telemetry and KV-event paths, faults, and one
 //! routing policy, in logical time.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_core::kv_stream::{BatchMark, LiveAction, StreamTracker};
@@ -11,6 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use crate::bus::{BusMessage, BusModel};
 use crate::faults::Fault;
 use crate::policy::{self, FleetInfo, PolicyRequest, PolicySpec, SimPolicy, WorkerView};
 use crate::report::{Outcome, Recorder, Report};
@@ -47,6 +49,9 @@ pub struct SimConfig {
     /// Router replicas behind one Service, each with its own reservations and view (requests are
     /// spread over them at random).
     pub replicas: usize,
+    /// How replicas share reservations: `None`, not at all (each sees only its own); `Some`, over a
+    /// modelled NATS bus as `kvgate serve` does with `[replicas]`.
+    pub replica_sync: Option<BusModel>,
     /// Extra time after the last arrival before the run stops and counts what is left as unfinished.
     pub drain: Duration,
     /// Sample per-engine queue depth at this interval for plots (`None`: don't).
@@ -68,6 +73,7 @@ impl SimConfig {
             health_detect: Duration::from_secs(1),
             admission_wait_s: 30.0,
             replicas: 1,
+            replica_sync: None,
             faults: Vec::new(),
             drain: Duration::from_secs(900),
             timeline: None,
@@ -87,6 +93,16 @@ enum Ev {
     Health(usize, bool),
     Restart(usize),
     Sample,
+    /// Replica `r` publishes its queued reservation changes.
+    BusFlush(usize),
+    /// Every sharing replica publishes its whole state.
+    BusState,
+    /// Replica `to` applies a message from replica `from`.
+    BusDeliver {
+        to: usize,
+        from: usize,
+        message: BusMessage,
+    },
 }
 
 struct Host {
@@ -116,6 +132,12 @@ struct InFlight {
 struct Replica {
     policy: Box<dyn SimPolicy>,
     view: Vec<WorkerView>,
+    /// Its name on the bus.
+    id: kvgate_core::ReplicaId,
+    /// Whether it shares its reservations (a bus is modelled and its policy keeps reservations).
+    shares: bool,
+    /// A flush of its changes is scheduled.
+    flush_pending: bool,
 }
 
 /// One simulation run.
@@ -157,8 +179,16 @@ impl<'w> Simulation<'w> {
         if cfg.replicas == 0 || cfg.replicas > 64 {
             return Err(SimError::Config(format!("replicas must be between 1 and 64, got {}", cfg.replicas)));
         }
+        if let Some(bus) = &cfg.replica_sync {
+            bus.validate().map_err(SimError::Config)?;
+        }
         let replicas = (0..cfg.replicas)
-            .map(|_| Ok(Replica { policy: policy::build(&cfg.policy, &fleet, &cfg.knobs)?, view: view.clone() }))
+            .map(|r| {
+                let mut policy = policy::build(&cfg.policy, &fleet, &cfg.knobs)?;
+                let shares = cfg.replica_sync.is_some() && cfg.replicas > 1 && policy.share_reservations();
+                let id = kvgate_core::ReplicaId::new(format!("replica{r}"));
+                Ok(Replica { policy, view: view.clone(), id, shares, flush_pending: false })
+            })
             .collect::<Result<Vec<_>, SimError>>()?;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let hosts = (0..workload.workers)
@@ -247,6 +277,9 @@ impl<'w> Simulation<'w> {
         if self.cfg.timeline.is_some() {
             self.queue.push(Timestamp::ZERO, Ev::Sample);
         }
+        if let Some(bus) = self.cfg.replica_sync.filter(|_| self.replicas.iter().any(|r| r.shares)) {
+            self.queue.push(Timestamp::ZERO.saturating_add(bus.state_interval), Ev::BusState);
+        }
         let last_arrival = self.workload.requests.last().map_or(Timestamp::ZERO, |r| r.arrival);
         let stop = last_arrival.saturating_add(self.cfg.drain);
         let mut now = Timestamp::ZERO;
@@ -296,6 +329,29 @@ impl<'w> Simulation<'w> {
                 }
             }
             Ev::Restart(w) => self.restart(w, now),
+            Ev::BusFlush(r) => self.bus_flush(r, now),
+            Ev::BusState => {
+                for r in 0..self.replicas.len() {
+                    self.bus_flush(r, now);
+                    if self.replicas[r].shares {
+                        let held = Arc::new(self.replicas[r].policy.held_reservations());
+                        self.bus_publish(r, BusMessage::State(held), now);
+                    }
+                }
+                if let Some(bus) = self.cfg.replica_sync {
+                    if !self.rec.all_done() {
+                        self.queue.push(now.saturating_add(bus.state_interval), Ev::BusState);
+                    }
+                }
+            }
+            Ev::BusDeliver { to, from, message } => {
+                let peer = self.replicas[from].id.clone();
+                let p = &mut self.replicas[to].policy;
+                match message {
+                    BusMessage::Changes(changes) => p.apply_peer_changes(&peer, &changes, now),
+                    BusMessage::State(held) => p.apply_peer_state(&peer, &held, now),
+                }
+            }
             Ev::Sample => {
                 let depths = self.hosts.iter().map(|h| h.engine.waiting_len() as u32).collect();
                 self.rec.sample(now, depths);
@@ -344,6 +400,8 @@ impl<'w> Simulation<'w> {
                 break Some(pick);
             }
             r.policy.on_finish(id, now);
+            self.changed(replica, now);
+            let r = &mut self.replicas[replica];
             r.view[pick.worker].healthy = false;
             r.policy.on_health(pick.worker, false);
         };
@@ -351,12 +409,14 @@ impl<'w> Simulation<'w> {
             self.rec.outcome(i, Outcome::Failed, now);
             return;
         };
+        self.changed(replica, now);
         self.rec.decision(i, &pick);
         if pick.cached_tokens.unwrap_or(0) > 0 && self.untrusted(pick.worker, now) {
             self.rec.credit_while_untrusted();
         }
         if self.cfg.admission_wait_s > 0.0 && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s {
             self.replicas[replica].policy.on_finish(id, now);
+            self.changed(replica, now);
             self.rec.outcome(i, Outcome::Rejected, now);
             return;
         }
@@ -407,7 +467,9 @@ impl<'w> Simulation<'w> {
         for id in first_tokens {
             if let Some(f) = self.in_flight.get(&id) {
                 self.rec.first_token(f.request, now);
-                self.replicas[f.replica].policy.on_first_token(id, now);
+                let replica = f.replica;
+                self.replicas[replica].policy.on_first_token(id, now);
+                self.changed(replica, now);
             }
         }
         for done in finished {
@@ -415,6 +477,7 @@ impl<'w> Simulation<'w> {
                 let r = &mut self.replicas[f.replica];
                 r.view[f.worker].in_flight -= 1;
                 r.policy.on_finish(done.id, now);
+                self.changed(f.replica, now);
                 self.rec.completed(f.request, &done, now);
             }
         }
@@ -465,6 +528,35 @@ impl<'w> Simulation<'w> {
         let polls_stale = h.polls_fail_from.is_some_and(|f| now.saturating_since(f) > stale_bound)
             && h.polls_fail_until.is_none_or(|u| now < u);
         h.awaiting_new_events || polls_stale
+    }
+
+    /// Replica `r`'s reservations changed: schedule the flush of its batch, if it shares them.
+    fn changed(&mut self, r: usize, now: Timestamp) {
+        let Some(bus) = self.cfg.replica_sync else { return };
+        let replica = &mut self.replicas[r];
+        if replica.shares && !replica.flush_pending {
+            replica.flush_pending = true;
+            self.queue.push(now.saturating_add(bus.flush), Ev::BusFlush(r));
+        }
+    }
+
+    fn bus_flush(&mut self, r: usize, now: Timestamp) {
+        self.replicas[r].flush_pending = false;
+        let changes = self.replicas[r].policy.take_reservation_changes();
+        if !changes.is_empty() {
+            self.bus_publish(r, BusMessage::Changes(Arc::new(changes)), now);
+        }
+    }
+
+    /// Delivers `message` from replica `from` to every other replica, each copy lost on its own.
+    fn bus_publish(&mut self, from: usize, message: BusMessage, now: Timestamp) {
+        let Some(bus) = self.cfg.replica_sync else { return };
+        for to in 0..self.replicas.len() {
+            if to == from || (bus.loss > 0.0 && self.rng.random::<f64>() < bus.loss) {
+                continue;
+            }
+            self.queue.push(now.saturating_add(bus.delay), Ev::BusDeliver { to, from, message: message.clone() });
+        }
     }
 
     /// Runs `f` on every replica's policy.
@@ -536,6 +628,7 @@ impl<'w> Simulation<'w> {
                 let r = &mut self.replicas[f.replica];
                 r.view[w].in_flight -= 1;
                 r.policy.on_finish(id, now);
+                self.changed(f.replica, now);
                 self.rec.outcome(f.request, Outcome::Failed, now);
             }
         }

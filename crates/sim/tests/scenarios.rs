@@ -240,3 +240,41 @@ fn several_router_replicas_each_reserve_on_their_own_and_still_spread() {
     });
     assert!(bad.is_err());
 }
+
+#[test]
+fn replicas_sharing_reservations_over_the_bus_decide_like_one() {
+    let m = multi(50.0, 20.0);
+    let sync = |c: &mut SimConfig| {
+        c.replicas = 8;
+        c.replica_sync = Some(kvgate_sim::bus::BusModel::default());
+    };
+    let one = run(&m, "projected:enforce");
+    let blind = run_with(&m, "projected:enforce", 1, |c| c.replicas = 8);
+    let shared = run_with(&m, "projected:enforce", 1, sync);
+    assert_eq!(shared.requests.completed, shared.requests.total);
+    eprintln!(
+        "multi-prefix TTFT p90/p99: one {:.3}/{:.3}, 8 blind {:.3}/{:.3}, 8 sharing {:.3}/{:.3}",
+        one.ttft_s.p90, one.ttft_s.p99, blind.ttft_s.p90, blind.ttft_s.p99, shared.ttft_s.p90, shared.ttft_s.p99
+    );
+    assert!(
+        shared.ttft_s.p90 <= blind.ttft_s.p90,
+        "sharing made p90 worse: {:?} against {:?}",
+        shared.ttft_s,
+        blind.ttft_s
+    );
+    assert!(shared.ttft_s.p90 <= one.ttft_s.p90 * 1.05, "8 sharing replicas {:?}, one {:?}", shared.ttft_s, one.ttft_s);
+    // A lossy bus still converges: the periodic full state repairs what was lost.
+    let lossy = run_with(&m, "projected:enforce", 1, |c| {
+        sync(c);
+        c.replica_sync = Some(kvgate_sim::bus::BusModel { loss: 0.2, ..Default::default() });
+    });
+    assert_eq!(lossy.requests.completed, lossy.requests.total);
+    assert!(lossy.ttft_s.p90 <= blind.ttft_s.p90 * 1.05, "{:?} against {:?}", lossy.ttft_s, blind.ttft_s);
+    let bad = kvgate_sim::run(&m, {
+        let mut c = SimConfig::new(EngineProfile::large_moe_h200(), PolicySpec::parse("projected").unwrap(), 1);
+        sync(&mut c);
+        c.replica_sync = Some(kvgate_sim::bus::BusModel { loss: 1.5, ..Default::default() });
+        c
+    });
+    assert!(bad.is_err());
+}

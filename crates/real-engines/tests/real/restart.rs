@@ -23,14 +23,16 @@ pub async fn an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_f
     post(&gw.url, "/v1/completions", &cached).await?;
     let before = settled_credit(&gw, &cached, "a").await?;
 
-    // A long stream, then SIGKILL once tokens are flowing.
+    // A long stream, then SIGKILL as soon as its first bytes arrive. (Waiting for more let a busy CI
+    // machine fall so far behind that vLLM, which merges the output a slow reader has not taken,
+    // had finished all 3,000 tokens before the kill.)
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 3000, "ignore_eos": true,
                       "prompt": text("restart-stream", 50)});
     let resp = http().post(format!("{}/v1/completions", gw.url)).json(&body).send().await?;
     ensure!(resp.status().is_success(), "stream answered {}", resp.status());
     let mut stream = resp.bytes_stream();
     let mut received = Vec::new();
-    while received.len() < 2_000 {
+    while received.is_empty() {
         let chunk = stream.next().await.context("the stream ended before the kill")??;
         received.extend_from_slice(&chunk);
     }

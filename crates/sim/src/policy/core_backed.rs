@@ -2,7 +2,8 @@
 //! decision code as the gateway, fed by the simulator's modelled telemetry and event paths.
 
 use kvgate_core::{
-    KvState, LoadSnapshot, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig, WorkerId,
+    HeldReservation, KvState, LoadSnapshot, PolicyConfig, ReplicaId, RequestId, ReservationChange, RouteRequest,
+    Router, Timestamp, WorkerConfig, WorkerId,
 };
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
@@ -88,5 +89,26 @@ impl SimPolicy for CorePolicy {
 
     fn on_health(&mut self, worker: usize, healthy: bool) {
         let _ = self.router.set_eligible(&self.ids[worker], healthy);
+    }
+
+    fn share_reservations(&mut self) -> bool {
+        self.router.share_reservations(true);
+        true
+    }
+
+    fn take_reservation_changes(&mut self) -> Vec<ReservationChange> {
+        self.router.take_reservation_changes()
+    }
+
+    fn held_reservations(&self) -> Vec<HeldReservation> {
+        self.router.held_reservations()
+    }
+
+    fn apply_peer_changes(&mut self, peer: &ReplicaId, changes: &[ReservationChange], now: Timestamp) {
+        self.router.apply_peer_changes(peer, changes, now);
+    }
+
+    fn apply_peer_state(&mut self, peer: &ReplicaId, held: &[HeldReservation], now: Timestamp) {
+        self.router.apply_peer_state(peer, held, now);
     }
 }

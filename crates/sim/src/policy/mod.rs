@@ -15,7 +15,10 @@ pub mod core_backed;
 pub mod exact;
 pub mod simple;
 
-use kvgate_core::{BlockKey, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, RequestId, Timestamp};
+use kvgate_core::{
+    BlockKey, HeldReservation, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, ReplicaId, RequestId,
+    ReservationChange, Timestamp,
+};
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
 
@@ -110,6 +113,23 @@ pub trait SimPolicy {
     fn on_finish(&mut self, _id: RequestId, _now: Timestamp) {}
     /// Health changed.
     fn on_health(&mut self, _worker: usize, _healthy: bool) {}
+    /// Starts queueing reservation changes for the replica bus; false if the policy keeps no
+    /// reservations to share.
+    fn share_reservations(&mut self) -> bool {
+        false
+    }
+    /// The reservation changes queued since the last call.
+    fn take_reservation_changes(&mut self) -> Vec<ReservationChange> {
+        Vec::new()
+    }
+    /// Every reservation held now.
+    fn held_reservations(&self) -> Vec<HeldReservation> {
+        Vec::new()
+    }
+    /// A peer replica's changes arrived.
+    fn apply_peer_changes(&mut self, _peer: &ReplicaId, _changes: &[ReservationChange], _now: Timestamp) {}
+    /// A peer replica's whole state arrived.
+    fn apply_peer_state(&mut self, _peer: &ReplicaId, _held: &[HeldReservation], _now: Timestamp) {}
 }
 
 /// Every policy name the simulator accepts.

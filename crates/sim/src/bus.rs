@@ -1,0 +1,58 @@
+//! The replica bus as the simulator models it: what `kvgate serve` does with `[replicas]` over NATS.
+//!
+//! Each replica's router queues its reservation changes; a flush `flush` after the first change of
+//! a batch publishes them, and every peer applies them `delay` later, in order, unless the message
+//! is lost (probability `loss`, each message and peer on its own). Every `state_interval` every
+//! replica also publishes its whole state, which heals what was lost, as the gateway does. Only
+//! policies run by the core (`projected`, `cache_aware`, the baselines) keep reservations to share;
+//! the peers' reimplementations ignore the bus.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_core::{HeldReservation, ReservationChange};
+
+/// The bus between replicas.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BusModel {
+    /// Batching window: a change waits at most this long for its batch to be published.
+    pub flush: Duration,
+    /// Time from publish to a peer applying the message.
+    pub delay: Duration,
+    /// Probability that one peer misses one message.
+    pub loss: f64,
+    /// How often each replica publishes its whole state.
+    pub state_interval: Duration,
+}
+
+impl Default for BusModel {
+    /// The gateway's defaults (`flush_ms` 2, `state_interval_ms` 1000) and a loopback-class NATS
+    /// hop of 1 ms, lossless.
+    fn default() -> Self {
+        BusModel {
+            flush: Duration::from_millis(2),
+            delay: Duration::from_millis(1),
+            loss: 0.0,
+            state_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+impl BusModel {
+    /// Checks the loss probability.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.loss) {
+            return Err(format!("replica bus loss {} is not in 0..1", self.loss));
+        }
+        Ok(())
+    }
+}
+
+/// One message on the bus.
+#[derive(Debug, Clone)]
+pub enum BusMessage {
+    /// A batch of changes.
+    Changes(Arc<Vec<ReservationChange>>),
+    /// A replica's whole state.
+    State(Arc<Vec<HeldReservation>>),
+}

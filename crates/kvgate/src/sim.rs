@@ -102,6 +102,14 @@ pub struct SimArgs {
     /// With --replica-sync nats: milliseconds from publish to a peer applying the message.
     #[arg(long, default_value_t = 1)]
     replica_bus_delay_ms: u64,
+    /// Spread the requests a trace records at one instant evenly until its next instant (the
+    /// Mooncake trace rounds to 3 s ticks; replayed as is, each tick is a burst of simultaneous
+    /// requests).
+    #[arg(long)]
+    spread_ticks: bool,
+    /// With --replica-sync nats: the batching window in milliseconds (kvgate's flush_ms).
+    #[arg(long, default_value_t = 2)]
+    replica_bus_flush_ms: u64,
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -175,7 +183,10 @@ fn specs(a: &SimArgs) -> anyhow::Result<Vec<PolicySpec>> {
 
 /// Runs `kvgate sim`.
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
-    let workload = load_workload(&a).context("cannot build the workload")?;
+    let mut workload = load_workload(&a).context("cannot build the workload")?;
+    if a.spread_ticks {
+        workload.spread_ticks();
+    }
     let profile = EngineProfile::by_name(&a.profile).with_context(|| {
         format!("unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)", a.profile)
     })?;
@@ -203,6 +214,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
         cfg.replica_sync = (a.replica_sync == "nats").then(|| kvgate_sim::bus::BusModel {
             loss: a.replica_bus_loss,
             delay: Duration::from_millis(a.replica_bus_delay_ms),
+            flush: Duration::from_millis(a.replica_bus_flush_ms),
             ..Default::default()
         });
         cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));

@@ -85,6 +85,28 @@ pub struct Workload {
     pub hot_owner: Option<usize>,
 }
 
+impl Workload {
+    /// Spreads requests that share an arrival instant evenly over the time until the next distinct
+    /// arrival. Recorded traces round their timestamps (the Mooncake conversation trace to 3 s ticks,
+    /// about 10 requests each, up to 28): replayed as recorded, every tick is a burst of truly
+    /// simultaneous requests, which several router replicas cannot tell each other about in time,
+    /// however fast their bus. The last instant's requests stay together.
+    pub fn spread_ticks(&mut self) {
+        let mut i = 0;
+        while i < self.requests.len() {
+            let at = self.requests[i].arrival;
+            let same = self.requests[i..].iter().take_while(|r| r.arrival == at).count();
+            if let Some(next) = self.requests.get(i + same).map(|r| r.arrival) {
+                let gap = next.0 - at.0;
+                for (k, r) in self.requests[i..i + same].iter_mut().enumerate() {
+                    r.arrival = Timestamp(at.0 + gap * k as u64 / same as u64);
+                }
+            }
+            i += same;
+        }
+    }
+}
+
 /// Knobs every synthetic scenario takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkloadParams {
@@ -290,6 +312,29 @@ fn parse_azure_time(s: &str) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn requests_of_one_instant_are_spread_until_the_next() {
+        let at = |ms: &[u64]| Workload {
+            name: "t".into(),
+            workers: 1,
+            requests: ms
+                .iter()
+                .map(|&m| SimRequest {
+                    arrival: Timestamp::from_millis(m),
+                    prompt: PromptSpec { segments: Vec::new() },
+                    output_tokens: 1,
+                    hot: false,
+                    direct_to: None,
+                })
+                .collect(),
+            hot_owner: None,
+        };
+        let mut w = at(&[0, 0, 0, 0, 3000, 6000, 6000]);
+        w.spread_ticks();
+        let got: Vec<u64> = w.requests.iter().map(|r| r.arrival.as_micros() / 1000).collect();
+        assert_eq!(got, [0, 750, 1500, 2250, 3000, 6000, 6000], "the last instant has no next to spread to");
+    }
+
     use super::*;
 
     #[test]

@@ -100,6 +100,16 @@ fn bench_decision(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("decide_release_prehashed", workers), |b| {
             b.iter(|| decide_and_release(black_box(&keys)))
         });
+        // With replica sharing on, every decision and release also queues its change; the bus task
+        // takes the queue every 2 ms, here after every decision (the worst case).
+        router.share_reservations(true);
+        group.bench_function(BenchmarkId::new("hash_decide_release_sharing", workers), |b| {
+            b.iter(|| {
+                decide_and_release(&router.request_keys(Namespace::DEFAULT, black_box(&prompt)));
+                black_box(router.take_reservation_changes());
+            })
+        });
+        router.share_reservations(false);
     }
     group.bench_function("hash_8k_prompt", |b| {
         let prompt = tokens(7, PROMPT_TOKENS);

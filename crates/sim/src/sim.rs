@@ -391,6 +391,14 @@ impl<'w> Simulation<'w> {
         let replica = if self.replicas.len() > 1 { self.rng.random_range(0..self.replicas.len()) } else { 0 };
         // A connect failure marks the engine down at once and the request is decided again, as the
         // gateway retries before any byte was streamed.
+        if self.replicas[replica].policy.reads_true_state() {
+            // Measured a microsecond after now, so the requests already placed at this instant
+            // count as seen by it and are not counted twice.
+            let observed = Timestamp(now.0 + 1);
+            for (w, host) in self.hosts.iter().enumerate().filter(|(_, h)| h.connected) {
+                self.replicas[replica].policy.on_load(w, &host.engine.load(observed));
+            }
+        }
         let pick = loop {
             let r = &mut self.replicas[replica];
             let Some(pick) = r.policy.decide(&preq, &r.view, now, &mut self.rng) else {

@@ -16,6 +16,7 @@ use crate::SimError;
 pub struct CorePolicy {
     router: Router,
     ids: Vec<WorkerId>,
+    true_state: bool,
 }
 
 impl CorePolicy {
@@ -32,7 +33,13 @@ impl CorePolicy {
             };
             router.add_worker(config, KvState::Synced).map_err(|e| SimError::Config(e.to_string()))?;
         }
-        Ok(CorePolicy { router, ids })
+        Ok(CorePolicy { router, ids, true_state: false })
+    }
+
+    /// The same policy, handed the engines' true load before every decision (the `oracle`).
+    pub fn reading_true_state(mut self) -> Self {
+        self.true_state = true;
+        self
     }
 
     fn index_of(&self, id: &WorkerId) -> usize {
@@ -89,6 +96,10 @@ impl SimPolicy for CorePolicy {
 
     fn on_health(&mut self, worker: usize, healthy: bool) {
         let _ = self.router.set_eligible(&self.ids[worker], healthy);
+    }
+
+    fn reads_true_state(&self) -> bool {
+        self.true_state
     }
 
     fn share_reservations(&mut self) -> bool {

@@ -4,6 +4,7 @@
 //! | CLI name | what | file |
 //! |---|---|---|
 //! | `projected` (`:off`, `:shadow`, `:enforce`) | kvgate's core, projected policy | `core_backed.rs` |
+//! | `oracle` | `projected:enforce` handed every engine's true load at each decision | `core_backed.rs` |
 //! | `cache_aware`, `cache_aware_seeded` | SMG cache_aware, event-driven, via the core | `core_backed.rs` |
 //! | `round_robin`, `random`, `power_of_two` | kvgate's core baselines, as the gateway runs them (SMG §9; §2 scored with kvgate's load-only seconds) | `core_backed.rs` |
 //! | `smg_least_load`, `smg_power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, and §1 on a random pair §2 | `simple.rs` |
@@ -130,6 +131,11 @@ pub trait SimPolicy {
     fn apply_peer_changes(&mut self, _peer: &ReplicaId, _changes: &[ReservationChange], _now: Timestamp) {}
     /// A peer replica's whole state arrived.
     fn apply_peer_state(&mut self, _peer: &ReplicaId, _held: &[HeldReservation], _now: Timestamp) {}
+    /// Whether the simulator hands this policy every engine's true load at each decision, instead
+    /// of the polled reports (`oracle`: what perfect telemetry would be worth).
+    fn reads_true_state(&self) -> bool {
+        false
+    }
 }
 
 /// Every policy name the simulator accepts.
@@ -147,6 +153,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "aibrix",
     "lmetric",
     "projected",
+    "oracle",
 ];
 
 /// A policy entry as the CLI names it: `NAME` or `projected:MODE`.
@@ -199,6 +206,10 @@ pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Resu
         "projected" => {
             let cfg = PolicyConfig { mode: spec.mode.unwrap_or(Mode::Enforce), ..knobs.clone() };
             Box::new(core_backed::CorePolicy::new(fleet, cfg)?)
+        }
+        "oracle" => {
+            let cfg = PolicyConfig { mode: Mode::Enforce, ..knobs.clone() };
+            Box::new(core_backed::CorePolicy::new(fleet, cfg)?.reading_true_state())
         }
         "cache_aware" | "cache_aware_seeded" => {
             let cfg = PolicyConfig {

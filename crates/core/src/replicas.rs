@@ -82,7 +82,8 @@ pub struct PeerApply {
 }
 
 impl PeerApply {
-    fn merge(&mut self, other: PeerApply) {
+    /// Adds `other`'s counts to these.
+    pub fn merge(&mut self, other: PeerApply) {
         self.applied += other.applied;
         self.unknown_worker += other.unknown_worker;
         self.unknown_request += other.unknown_request;

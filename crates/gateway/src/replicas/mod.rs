@@ -360,10 +360,7 @@ fn receive(state: &AppState, me: &ReplicaId, payload: &[u8]) {
                 Some(a) => {
                     let mut c = replicas.counters.lock();
                     c.received += 1;
-                    c.applied.applied += a.applied;
-                    c.applied.unknown_worker += a.unknown_worker;
-                    c.applied.unknown_request += a.unknown_request;
-                    c.applied.over_limit += a.over_limit;
+                    c.applied.merge(a);
                     replicas.metrics.changes_applied.inc_by(a.applied);
                     "ok"
                 }

@@ -81,16 +81,14 @@ pub fn decode(payload: &[u8]) -> Decoded {
 /// A full state body for `held`.
 pub fn state_body(held: Vec<HeldReservation>) -> Body {
     let mut workers: Vec<WorkerId> = Vec::new();
+    let mut position: std::collections::HashMap<WorkerId, u32> = std::collections::HashMap::new();
     let mut rows = Vec::with_capacity(held.len());
     for h in held {
-        let pos = match workers.iter().position(|w| *w == h.worker) {
-            Some(p) => p,
-            None => {
-                workers.push(h.worker);
-                workers.len() - 1
-            }
-        };
-        rows.push((h.request, pos as u32, h.work, h.decoding));
+        let pos = *position.entry(h.worker.clone()).or_insert_with(|| {
+            workers.push(h.worker);
+            workers.len() as u32 - 1
+        });
+        rows.push((h.request, pos, h.work, h.decoding));
     }
     Body::State { workers, held: rows }
 }

@@ -101,7 +101,8 @@ pub struct ScoreTerms {
     pub cached_tokens: u64,
     /// Queued prefill work (engine-reported plus reserved) over prefill throughput.
     pub wait_s: f64,
-    /// Active decode work over decode throughput: running sequences slow every step.
+    /// What the running batch adds: its share of each prefill step, and the wait for a slot when
+    /// the batch is full.
     pub decode_s: f64,
     /// This request's uncached prompt over prefill throughput.
     pub prefill_s: f64,
@@ -111,6 +112,10 @@ pub struct ScoreTerms {
     pub load_only_s: f64,
     /// Waiting requests (engine-reported plus reserved), used by the escape.
     pub waiting_requests: u64,
+    /// The prefill rate this score used: configured, or calibrated from observed first tokens.
+    pub prefill_tokens_per_s: f64,
+    /// The decode rate this score used: configured, or calibrated from inter-token times.
+    pub decode_tokens_per_s: f64,
     /// Why cache credit was withheld, when the worker holds a prefix of the request but its
     /// telemetry can't be trusted.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -10,7 +10,7 @@ use crate::decision::FallbackReason;
 use crate::error::CoreError;
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 use crate::ledger::{LoadDelta, WorkerLedger};
-use crate::load::{LoadSnapshot, Throughput};
+use crate::load::{DecodeRate, LoadSnapshot, Throughput};
 use crate::policy::projected::WorkerLoad;
 use crate::policy::Knob;
 use crate::time::Timestamp;
@@ -40,6 +40,23 @@ pub const KV_CAPACITY_TOKENS: Knob = Knob {
     meaning: "tokens of KV cache one worker holds (profile A: 500k); turns reserved tokens into usage for the barrier",
 };
 
+/// Bounds of a worker's running-batch limit.
+pub const MAX_RUNNING_REQUESTS: Knob = Knob {
+    name: "max_running_requests",
+    min: 1.0,
+    max: 1e6,
+    default: 256.0,
+    meaning: "largest running batch of one worker (vLLM --max-num-seqs, SGLang --max-running-requests); past it a new request waits for a slot",
+};
+/// Bounds of a worker's step token budget.
+pub const CHUNK_TOKENS: Knob = Knob {
+    name: "chunk_tokens",
+    min: 1.0,
+    max: 1e9,
+    default: 8192.0,
+    meaning: "tokens one engine step computes (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size); a prefill takes one step per chunk, and every step carries the running batch",
+};
+
 /// Prefixes pinned by distribution seeding beyond which old pins are forgotten.
 pub const MAX_SEEDED_PREFIXES: usize = 1 << 16;
 
@@ -54,6 +71,10 @@ pub struct WorkerConfig {
     pub decode_tokens_per_s: f64,
     /// See [`KV_CAPACITY_TOKENS`].
     pub kv_capacity_tokens: u64,
+    /// See [`MAX_RUNNING_REQUESTS`].
+    pub max_running_requests: u64,
+    /// See [`CHUNK_TOKENS`].
+    pub chunk_tokens: u64,
 }
 
 impl WorkerConfig {
@@ -64,6 +85,8 @@ impl WorkerConfig {
             prefill_tokens_per_s: PREFILL_TOKENS_PER_S.default,
             decode_tokens_per_s: DECODE_TOKENS_PER_S.default,
             kv_capacity_tokens: KV_CAPACITY_TOKENS.default as u64,
+            max_running_requests: MAX_RUNNING_REQUESTS.default as u64,
+            chunk_tokens: CHUNK_TOKENS.default as u64,
         }
     }
 
@@ -72,6 +95,8 @@ impl WorkerConfig {
         PREFILL_TOKENS_PER_S.check(self.prefill_tokens_per_s)?;
         DECODE_TOKENS_PER_S.check(self.decode_tokens_per_s)?;
         KV_CAPACITY_TOKENS.check(self.kv_capacity_tokens as f64)?;
+        MAX_RUNNING_REQUESTS.check(self.max_running_requests as f64)?;
+        CHUNK_TOKENS.check(self.chunk_tokens as f64)?;
         Ok(())
     }
 }
@@ -123,7 +148,10 @@ pub struct WorkerStatus {
 pub(crate) struct WorkerState {
     pub(crate) config: WorkerConfig,
     pub(crate) prefill: Throughput,
-    pub(crate) decode: Throughput,
+    pub(crate) decode: DecodeRate,
+    /// What each in-flight request of this router was projected to take, to calibrate the rates
+    /// against what it really took.
+    pub(crate) timings: FxHashMap<RequestId, Timing>,
     pub(crate) eligible: bool,
     pub(crate) snapshot: Option<LoadSnapshot>,
     pub(crate) ledger: WorkerLedger,
@@ -135,6 +163,29 @@ pub(crate) struct WorkerState {
     pub(crate) unanswered_dispatch_since: Option<Timestamp>,
 }
 
+/// Prompt tokens (queued ahead plus its own) below which a request's time to first token is mostly
+/// fixed per-step and per-request cost and says little about the prefill rate.
+pub const MIN_CALIBRATION_PREFILL_TOKENS: u64 = 256;
+
+/// One request's projection at its decision, and when its first token came.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    decided_at: Timestamp,
+    /// Prefill tokens the engine had to compute before this request's first token: the queue ahead
+    /// as projected, and its own uncached prompt.
+    prefill_tokens: u64,
+    /// The projected `decode_s`: time the running batch would add to that prefill.
+    decode_s: f64,
+    /// When the first token came, and the running batch then.
+    first_token: Option<(Timestamp, u64)>,
+}
+
+impl Timing {
+    pub(crate) fn new(decided_at: Timestamp, prefill_tokens: u64, decode_s: f64) -> Self {
+        Timing { decided_at, prefill_tokens, decode_s, first_token: None }
+    }
+}
+
 fn add_signed(base: u64, delta: i64) -> u64 {
     (base as i64).saturating_add(delta).max(0) as u64
 }
@@ -143,7 +194,8 @@ impl WorkerState {
     pub(crate) fn new(config: WorkerConfig) -> Self {
         WorkerState {
             prefill: Throughput::new(config.prefill_tokens_per_s),
-            decode: Throughput::new(config.decode_tokens_per_s),
+            decode: DecodeRate::new(config.decode_tokens_per_s),
+            timings: FxHashMap::default(),
             config,
             eligible: true,
             snapshot: None,
@@ -193,9 +245,42 @@ impl WorkerState {
             decode_tokens: add_signed(s.active_decode_tokens, d.decode_tokens),
             kv_tokens: add_signed(reported_kv, d.kv_tokens),
             kv_capacity_tokens: capacity,
+            max_running_requests: self.config.max_running_requests,
+            chunk_tokens: self.config.chunk_tokens,
             prefill_tps: self.prefill.effective(),
             decode_tps: self.decode.effective(),
         }
+    }
+
+    /// The first token of `id` came at `now`: the time since its decision, less what the running
+    /// batch was projected to add, is how long its prefill (and the queue ahead) really took.
+    pub(crate) fn calibrate_first_token(&mut self, id: RequestId, now: Timestamp) {
+        let running = self.load().running_requests;
+        let Some(t) = self.timings.get_mut(&id).filter(|t| t.first_token.is_none()) else {
+            return;
+        };
+        t.first_token = Some((now, running));
+        let seconds = now.saturating_since(t.decided_at).as_secs_f64() - t.decode_s;
+        if t.prefill_tokens >= MIN_CALIBRATION_PREFILL_TOKENS && seconds > 0.0 {
+            self.prefill.observe(t.prefill_tokens as f64, seconds);
+        }
+    }
+
+    /// `id` ends at `now` having generated `output_tokens` (when known): its inter-token time at
+    /// the batch size it ran in is one point of the decode fit.
+    pub(crate) fn calibrate_end(&mut self, id: RequestId, now: Timestamp, output_tokens: Option<u64>) {
+        let Some(t) = self.timings.remove(&id) else {
+            return;
+        };
+        let (Some((first_at, running_then)), Some(tokens)) = (t.first_token, output_tokens) else {
+            return;
+        };
+        if tokens < 2 {
+            return;
+        }
+        let batch = (running_then + self.load().running_requests) as f64 / 2.0;
+        let step_s = now.saturating_since(first_at).as_secs_f64() / (tokens - 1) as f64;
+        self.decode.observe_step(batch.max(1.0), step_s);
     }
 
     /// Why the load report can't be trusted for cache credit, if it can't.

@@ -73,7 +73,10 @@ pub mod time;
 
 pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};
 pub use error::CoreError;
-pub use fleet::{WorkerConfig, WorkerStatus, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S};
+pub use fleet::{
+    WorkerConfig, WorkerStatus, CHUNK_TOKENS, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, MAX_RUNNING_REQUESTS,
+    PREFILL_TOKENS_PER_S,
+};
 pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, ReplicaId, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};

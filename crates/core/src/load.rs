@@ -37,26 +37,91 @@ pub struct CountEstimate {
     pub decode_tokens_per_running: u64,
 }
 
-/// Smoothing weight of a new throughput observation. 0.2 halves an old estimate's weight in about
-/// three observations: fast enough to follow a profile change, slow enough to ride out one odd step.
-pub const THROUGHPUT_EWMA_ALPHA: f64 = 0.2;
+/// Weight a new prefill observation takes from the old ones: an old one's weight halves in about
+/// seven new ones.
+pub const PREFILL_FIT_ALPHA: f64 = 0.02;
+
+/// Weight a new decode observation takes. Every streamed request yields one, so the fit can afford
+/// to remember about twenty.
+pub const DECODE_FIT_ALPHA: f64 = 0.01;
 
 /// How far observations may move a configured throughput, as a factor either way. Observations come
 /// from engines under varying batch shapes; a bound keeps one misleading stretch (an idle engine
 /// reporting a tiny rate) from making a worker look 100× slower than its hardware.
 pub const THROUGHPUT_CORRECTION_BOUND: f64 = 4.0;
 
-/// A configured throughput with online correction from observed rates.
+/// Decayed observations before a fit replaces the configured rate.
+const FIT_MIN_WEIGHT: f64 = 5.0;
+
+/// A least-squares line `y = intercept + slope · x` through points whose weight decays by
+/// `1 − alpha` with every new point.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+struct LinearFit {
+    alpha: f64,
+    /// Decayed sums: weight, Σx, Σy, Σx², Σx·y.
+    sums: [f64; 5],
+}
+
+impl LinearFit {
+    fn new(alpha: f64) -> Self {
+        LinearFit { alpha, sums: [0.0; 5] }
+    }
+
+    fn observe(&mut self, x: f64, y: f64) {
+        let keep = 1.0 - self.alpha;
+        for (sum, v) in self.sums.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+            *sum = *sum * keep + v;
+        }
+    }
+
+    /// Σy / Σx inverted: the mean rate of the points, when there are any.
+    fn ratio(&self) -> Option<f64> {
+        let [w, sx, sy, ..] = self.sums;
+        (w > 0.0 && sx > 0.0 && sy > 0.0).then(|| sx / sy)
+    }
+
+    /// The slope, once there are enough points spread widely enough (x within ±10% of its mean
+    /// cannot tell a slope from an intercept).
+    fn slope(&self) -> Option<f64> {
+        let [w, sx, sy, sxx, sxy] = self.sums;
+        if w < FIT_MIN_WEIGHT {
+            return None;
+        }
+        let (mean_x, mean_y) = (sx / w, sy / w);
+        let var_x = sxx / w - mean_x * mean_x;
+        (var_x > (0.1 * mean_x).powi(2)).then(|| (sxy / w - mean_x * mean_y) / var_x)
+    }
+}
+
+/// The rate a fitted seconds-per-unit slope implies, within the correction bound of `configured`;
+/// `configured` without a fit. A flat or falling line says the cost per unit is below what the
+/// points resolve: the fastest the bound allows.
+fn bounded_rate(configured: f64, slope: Option<f64>) -> f64 {
+    let (lo, hi) = (configured / THROUGHPUT_CORRECTION_BOUND, configured * THROUGHPUT_CORRECTION_BOUND);
+    match slope {
+        None => configured,
+        Some(s) if s <= 0.0 => hi,
+        Some(s) => (1.0 / s).clamp(lo, hi),
+    }
+}
+
+/// A worker's prefill rate, calibrated from the times to first token of its requests.
+///
+/// A request whose engine had `p` prefill tokens to compute before its first token (the queue
+/// ahead and its own uncached prompt) took about `overhead + p / rate` seconds, the overhead being
+/// what does not grow with tokens: the step in progress when it arrived, per-step cost, the
+/// network. A line through (tokens, seconds) points gives the rate as the inverse of its slope, so
+/// the overhead does not pass for a slow engine.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Throughput {
     configured: f64,
-    ewma: Option<f64>,
+    fit: LinearFit,
 }
 
 impl Throughput {
     /// A throughput of `configured` tokens per second with no observations yet.
     pub fn new(configured: f64) -> Self {
-        Throughput { configured, ewma: None }
+        Throughput { configured, fit: LinearFit::new(PREFILL_FIT_ALPHA) }
     }
 
     /// The configured value.
@@ -64,28 +129,65 @@ impl Throughput {
         self.configured
     }
 
-    /// Folds in an observed rate of `tokens` in `seconds`. Degenerate observations (no tokens, no
-    /// time, non-finite values) are ignored.
+    /// Folds in an observation of `tokens` processed in `seconds`. Degenerate observations (no
+    /// tokens, no time, non-finite values) are ignored.
     pub fn observe(&mut self, tokens: f64, seconds: f64) {
-        if !(tokens > 0.0 && seconds > 0.0 && tokens.is_finite() && seconds.is_finite()) {
-            return;
+        if tokens > 0.0 && seconds > 0.0 && tokens.is_finite() && seconds.is_finite() {
+            self.fit.observe(tokens, seconds);
         }
-        let rate = tokens / seconds;
-        self.ewma = Some(match self.ewma {
-            None => rate,
-            Some(prev) => prev + THROUGHPUT_EWMA_ALPHA * (rate - prev),
-        });
     }
 
-    /// The rate to plan with: the smoothed observation within the correction bound, or the
+    /// The rate to plan with: the fitted rate within the correction bound; before the observations
+    /// allow a fit, their plain ratio (overhead included, so on the slow side), which still moves a
+    /// worker configured far too slow enough to draw the traffic that will calibrate it; the
     /// configured value before any observation.
     pub fn effective(&self) -> f64 {
-        match self.ewma {
-            None => self.configured,
-            Some(rate) => {
-                rate.clamp(self.configured / THROUGHPUT_CORRECTION_BOUND, self.configured * THROUGHPUT_CORRECTION_BOUND)
-            }
+        match self.fit.slope() {
+            Some(slope) => bounded_rate(self.configured, Some(slope)),
+            None => match self.fit.ratio() {
+                Some(rate) => bounded_rate(self.configured, Some(1.0 / rate)),
+                None => self.configured,
+            },
         }
+    }
+}
+
+/// A worker's decode rate, calibrated from inter-token times against batch size.
+///
+/// An engine step takes about `base + per_sequence × n` seconds with `n` sequences in the batch
+/// (`shared/docs/engine-model.md` §4). A request that streamed `k` tokens over `d` seconds in a
+/// batch of about `n` saw steps of `d / (k − 1)` seconds at `n`. The slope of a line through those
+/// points is the per-sequence cost; its inverse is the decode rate the router plans with (one
+/// running sequence adds `1 / decode_tps` to a step).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DecodeRate {
+    configured: f64,
+    fit: LinearFit,
+}
+
+impl DecodeRate {
+    /// A decode rate of `configured` tokens per second (aggregate, at a full batch).
+    pub fn new(configured: f64) -> Self {
+        DecodeRate { configured, fit: LinearFit::new(DECODE_FIT_ALPHA) }
+    }
+
+    /// The configured value.
+    pub fn configured(&self) -> f64 {
+        self.configured
+    }
+
+    /// Folds in one step time `step_s` seen with `batch` sequences running. Degenerate values are
+    /// ignored.
+    pub fn observe_step(&mut self, batch: f64, step_s: f64) {
+        if batch >= 1.0 && step_s > 0.0 && batch.is_finite() && step_s.is_finite() {
+            self.fit.observe(batch, step_s);
+        }
+    }
+
+    /// The rate to plan with: the inverse of the fitted per-sequence cost within the correction
+    /// bound, or the configured value until the points span enough batch sizes.
+    pub fn effective(&self) -> f64 {
+        bounded_rate(self.configured, self.fit.slope())
     }
 }
 
@@ -94,17 +196,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn throughput_follows_observations_within_the_correction_bound() {
-        let mut t = Throughput::new(1000.0);
-        assert_eq!(t.effective(), 1000.0);
-        t.observe(1500.0, 1.0);
-        assert_eq!(t.effective(), 1500.0);
-        t.observe(500.0, 1.0);
-        assert!((t.effective() - 1300.0).abs() < 1e-9);
-        for _ in 0..100 {
-            t.observe(1.0, 1.0);
+    fn the_prefill_fit_finds_the_rate_and_leaves_the_overhead_out() {
+        // 30 ms of overhead plus tokens at 12,000 a second, configured at 20,000.
+        let mut t = Throughput::new(20_000.0);
+        assert_eq!(t.effective(), 20_000.0);
+        for i in 0..30 {
+            let tokens = 500.0 + f64::from(i % 6) * 1_500.0;
+            t.observe(tokens, 0.030 + tokens / 12_000.0);
         }
-        assert_eq!(t.effective(), 250.0);
+        assert!((t.effective() - 12_000.0).abs() < 1.0, "{}", t.effective());
+        // A rate far outside the bound stops at it.
+        for i in 0..200 {
+            let tokens = 500.0 + f64::from(i % 6) * 1_500.0;
+            t.observe(tokens, tokens / 1_000.0);
+        }
+        assert_eq!(t.effective(), 5_000.0);
+    }
+
+    #[test]
+    fn the_decode_fit_finds_the_per_sequence_cost_and_ignores_the_base() {
+        // Steps of 18 ms + 0.2 ms per sequence: 5,000 tokens/s per the slope, configured at 15,000.
+        let mut d = DecodeRate::new(15_000.0);
+        for i in 0..40 {
+            let n = 10.0 + f64::from(i % 8) * 10.0;
+            d.observe_step(n, 0.018 + 0.0002 * n);
+        }
+        assert!((d.effective() - 5_000.0).abs() < 1.0, "{}", d.effective());
+    }
+
+    #[test]
+    fn the_decode_fit_waits_for_batch_sizes_that_tell_slope_from_base() {
+        let mut d = DecodeRate::new(3_000.0);
+        for _ in 0..50 {
+            d.observe_step(32.0, 0.025);
+        }
+        assert_eq!(d.effective(), 3_000.0, "one batch size cannot separate base and slope");
+        d.observe_step(f64::NAN, 1.0);
+        d.observe_step(0.0, 1.0);
+        assert_eq!(d.effective(), 3_000.0);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use rand::RngCore;
 
 use crate::decision::{Decision, FallbackReason, ScoreTerms, MAX_SCORES};
 use crate::error::CoreError;
-use crate::fleet::{Fleet, WorkerConfig, WorkerStatus};
+use crate::fleet::{Fleet, Timing, WorkerConfig, WorkerStatus};
 use crate::hashing::{BlockHasher, Namespace};
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 use crate::index::{ApplyStats, KvIndex, KvState};
@@ -174,7 +174,12 @@ impl Router {
         let worker = fleet.worker_mut(id)?;
         match kind {
             RateKind::Prefill => worker.prefill.observe(tokens, seconds),
-            RateKind::Decode => worker.decode.observe(tokens, seconds),
+            // A full batch decoding `tokens` in `seconds`: steps of `batch × seconds / tokens`.
+            RateKind::Decode if tokens > 0.0 => {
+                let batch = worker.config.max_running_requests as f64;
+                worker.decode.observe_step(batch, batch * seconds / tokens);
+            }
+            RateKind::Decode => {}
         }
         Ok(())
     }
@@ -238,10 +243,14 @@ impl Router {
 
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
+        let calibrate = self.policy.read().calibrate;
         let mut fleet = self.fleet.lock();
         let slot = *fleet.requests.get(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
+            if calibrate {
+                w.calibrate_first_token(id, now);
+            }
         }
         fleet.share(ReservationChange::FirstToken { request: id });
         Ok(())
@@ -249,9 +258,23 @@ impl Router {
 
     /// Releases a request's reservation: it finished, failed or its client went away.
     pub fn release(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
+        self.release_with_output(id, now, None)
+    }
+
+    /// Releases a request that generated `output_tokens` (when the response said so). A request
+    /// that streamed from [`Router::first_token`] to here over that many tokens calibrates the
+    /// worker's decode rate.
+    pub fn release_with_output(
+        &self,
+        id: RequestId,
+        now: Timestamp,
+        output_tokens: Option<u64>,
+    ) -> Result<(), CoreError> {
+        let output_tokens = output_tokens.filter(|_| self.policy.read().calibrate);
         let mut fleet = self.fleet.lock();
         let slot = fleet.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
+            w.calibrate_end(id, now, output_tokens);
             w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
         fleet.share(ReservationChange::Released { request: id });
@@ -315,6 +338,8 @@ impl Router {
             let last_event_at = self.index.read().last_event_at(winner.slot);
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
+            let ahead = winner.load.waiting_tokens.saturating_add(prefill_tokens);
+            state.timings.insert(req.id, Timing::new(now, ahead, winner.terms.decode_s));
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.requests.insert(req.id, winner.slot);
@@ -432,6 +457,8 @@ fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> Wo
                 barrier_s: s.terms.barrier_s,
                 load_only_s: s.terms.load_only_s,
                 waiting_requests: s.load.waiting_requests,
+                prefill_tokens_per_s: s.load.prefill_tps,
+                decode_tokens_per_s: s.load.decode_tps,
                 credit_withheld: s.withheld,
             }
         })

@@ -26,7 +26,8 @@ fn make_hot_owner(router: &kvgate_core::Router) -> Vec<u32> {
 #[test]
 fn hot_owner_loses_to_idle_peers_when_its_queue_exceeds_recompute() {
     let (router, prefix) = incident(PolicyConfig::projected(Mode::Enforce));
-    // The owner's cache is credited, and it still loses: 45.8 s of queued prefill and 5.7 s of decode.
+    // The owner's cache is credited, and it still loses: 45.8 s of queued prefill, and its 38 running
+    // requests ride each of the 112 steps to the end of this prefill (2.1 s).
     let probe = Req::new(&router, 1000, &hot_prompt(&prefix, 1000, 200), 256);
     let owner = router.worker_status(&wid(0), T0).unwrap();
     assert_eq!((owner.waiting_requests, owner.running_requests, owner.blocks_held), (109, 38, 512));
@@ -89,18 +90,24 @@ fn cache_affinity_is_kept_when_saved_prefill_exceeds_the_load_penalty() {
 }
 
 #[test]
-fn active_decode_occupancy_changes_the_winner() {
+fn a_running_batch_costs_its_share_of_each_step_and_a_full_one_a_slot() {
     let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
-    router.update_load(&wid(0), busy(0, 0, 40, 0)).unwrap();
+    // w1 has 0.1 s of queued prefill; w0 none, but 40 running requests with 12,000 tokens to decode.
+    router.update_load(&wid(0), busy(0, 0, 40, 12_000)).unwrap();
     router.update_load(&wid(1), busy(0, 2_000, 0, 0)).unwrap();
     let prompt = tokens("p", 1000);
     let d = decide(&router, &Req::new(&router, 1, &prompt, 16), T0);
-    assert_eq!(d.worker, wid(0), "without decode work w0 has no queue");
-    router.update_load(&wid(0), busy(0, 0, 40, 12_000)).unwrap();
-    let d = decide(&router, &Req::new(&router, 2, &prompt, 16), T0);
-    assert_eq!(d.worker, wid(1), "12,000 active decode tokens cost w0 6 s");
+    assert_eq!(d.worker, wid(0), "the new request joins w0's batch at the next step: {:?}", d.scores);
     let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
-    assert!((w0.decode_s - 6.0).abs() < 1e-9, "{w0:?}");
+    assert!((w0.decode_s - 40.0 / 2_000.0).abs() < 1e-9, "one step carrying 40 sequences: {w0:?}");
+    router.release(d.request, T0).unwrap();
+    // A full batch (256 running, 300 tokens each left) makes it wait for one of them to finish.
+    router.update_load(&wid(0), busy(0, 0, 256, 76_800)).unwrap();
+    let d = decide(&router, &Req::new(&router, 2, &prompt, 16), T0);
+    assert_eq!(d.worker, wid(1));
+    let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
+    let slot_wait = 76_800.0 / (256.0 * 2_000.0);
+    assert!((w0.decode_s - (256.0 / 2_000.0 + slot_wait)).abs() < 1e-9, "{w0:?}");
 }
 
 /// The owner of a prefix that would win on cache, and an idle load-only winner.
@@ -298,11 +305,11 @@ fn hot_owner_is_credited_for_its_cache_and_still_loses() {
     let d = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 200), 256), T0);
     let owner = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
     assert_eq!(owner.cached_tokens, 8192);
-    assert!((owner.wait_s - 45.78).abs() < 1e-9 && (owner.decode_s - 5.7).abs() < 1e-9, "{owner:?}");
+    assert!((owner.wait_s - 45.78).abs() < 1e-9 && (owner.decode_s - 112.0 * 38.0 / 2_000.0).abs() < 1e-9, "{owner:?}");
     assert!((owner.prefill_s - 0.01).abs() < 1e-9, "only the 200-token suffix is prefilled");
     let winner = d.scores.iter().find(|s| s.worker == d.worker).unwrap();
     assert!((winner.prefill_s - 8392.0 / 20_000.0).abs() < 1e-9);
-    assert!(winner.projected_s < 1.0 && owner.projected_s > 51.0);
+    assert!(winner.projected_s < 1.0 && owner.projected_s > 47.0);
 }
 
 #[test]

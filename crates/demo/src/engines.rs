@@ -112,13 +112,15 @@ impl RunEngines {
                 let decode = profile.decode_tokens_per_s(profile.max_running as u64, 4096);
                 for (i, e) in engines.iter().enumerate() {
                     toml.push_str(&format!(
-                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\n",
+                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\nmax_running_requests = {}\nchunk_tokens = {}\n",
                         e.url,
                         e.kv_events,
                         e.replay,
                         profile.prefill_tokens_per_s * cfg.speedup,
                         decode * cfg.speedup,
-                        profile.kv_capacity_tokens
+                        profile.kv_capacity_tokens,
+                        profile.max_running,
+                        profile.chunk_budget
                     ));
                 }
                 toml

@@ -295,6 +295,12 @@ pub async fn run_one_on(
     let shadow = log.iter().filter(|d| d.mode == kvgate_core::Mode::Shadow).count() as u64;
     let streams: Vec<kvgate_gateway::kv_events::StreamView> =
         state.engines.read().values().map(|e| e.stream.view()).collect();
+    let rates: BTreeMap<String, (f64, f64)> = state
+        .router
+        .workers(state.clock.now())
+        .into_iter()
+        .map(|w| (w.id.to_string(), (w.prefill_tokens_per_s, w.decode_tokens_per_s)))
+        .collect();
     Ok(Report {
         scenario: "demo".into(),
         policy: spec.name.clone(),
@@ -321,6 +327,7 @@ pub async fn run_one_on(
                 id: format!("w{i}"),
                 requests: a.finished.saturating_sub(b.finished),
                 max_waiting: *peak,
+                planned_rates: rates.get(&format!("w{i}")).copied(),
             })
             .collect(),
         hot_prefix: HotPrefix { owner, owner_share: round(owner_share), requests: hot.len() as u64 },

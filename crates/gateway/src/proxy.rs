@@ -51,6 +51,8 @@ struct Flight {
     started: Instant,
     first_byte: bool,
     outcome: Outcome,
+    /// Tokens the response says it generated (a streamed `usage` chunk), for decode calibration.
+    output_tokens: Option<u64>,
 }
 
 impl Flight {
@@ -63,13 +65,19 @@ impl Flight {
             started: state.clock.instant(),
             first_byte: false,
             outcome: Outcome::ClientGone,
+            output_tokens: None,
         }
     }
 
-    fn first_byte(&mut self) {
+    /// The response's first bytes arrived. A stream's first bytes are its first token, which moves
+    /// the reservation to decode and times the prefill; a body that does not stream arrives whole,
+    /// so its time says nothing about the prefill and the reservation is simply released at the end.
+    fn first_byte(&mut self, streamed: bool) {
         if !self.first_byte {
             self.first_byte = true;
-            let _ = self.state.router.first_token(self.id, self.state.clock.now());
+            if streamed {
+                let _ = self.state.router.first_token(self.id, self.state.clock.now());
+            }
             self.engine.metrics.ttft.observe(self.started.elapsed().as_secs_f64());
         }
     }
@@ -83,7 +91,7 @@ impl Flight {
 
 impl Drop for Flight {
     fn drop(&mut self) {
-        let _ = self.state.router.release(self.id, self.state.clock.now());
+        let _ = self.state.router.release_with_output(self.id, self.state.clock.now(), self.output_tokens);
         self.state.capacity.notify_one();
         let m = &self.engine.metrics;
         m.in_flight.dec();
@@ -404,6 +412,18 @@ fn event_separator(sent_tail: &[u8]) -> &'static str {
     }
 }
 
+/// The `completion_tokens` of a `usage` object in an SSE chunk (OpenAI's `stream_options.include_usage`
+/// and SGLang's and vLLM's final chunks carry one). A key split across two chunks is missed, which
+/// only costs one calibration point.
+fn completion_tokens_in(chunk: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"completion_tokens\":";
+    let at = chunk.windows(KEY.len()).rposition(|w| w == KEY)? + KEY.len();
+    let rest = &chunk[at..];
+    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[start..start + digits]).ok()?.parse().ok()
+}
+
 async fn respond(
     resp: reqwest::Response,
     mut flight: Flight,
@@ -430,7 +450,7 @@ async fn respond(
                 return Err(ApiError::UpstreamTimeout);
             }
         };
-        flight.first_byte();
+        flight.first_byte(false);
         flight.outcome = Outcome::Status(status.as_u16());
         let mut out = Response::new(Body::from(body));
         *out.status_mut() = status;
@@ -448,7 +468,10 @@ async fn respond(
         let f = flight.as_mut()?;
         let failure = match tokio::time::timeout(idle, upstream.next()).await {
             Ok(Some(Ok(chunk))) => {
-                f.first_byte();
+                f.first_byte(true);
+                if let Some(n) = completion_tokens_in(&chunk) {
+                    f.output_tokens = Some(n);
+                }
                 tail.clear();
                 tail.extend_from_slice(&chunk[chunk.len().saturating_sub(2)..]);
                 return Some((Ok::<Bytes, std::io::Error>(chunk), (upstream, flight, tail)));
@@ -485,6 +508,16 @@ async fn respond(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_usage_chunk_gives_the_completion_tokens() {
+        let chunk = br#"data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens": 345,"total_tokens":357}}
+
+"#;
+        assert_eq!(completion_tokens_in(chunk), Some(345));
+        assert_eq!(completion_tokens_in(br#"data: {"choices":[{"delta":{"content":"hi"}}]}"#), None);
+        assert_eq!(completion_tokens_in(br#""completion_tokens":"#), None);
+    }
 
     #[test]
     fn an_error_event_never_continues_a_partial_line() {

@@ -142,6 +142,8 @@ impl AppState {
         wc.prefill_tokens_per_s = spec.prefill_tokens_per_s.unwrap_or(wc.prefill_tokens_per_s);
         wc.decode_tokens_per_s = spec.decode_tokens_per_s.unwrap_or(wc.decode_tokens_per_s);
         wc.kv_capacity_tokens = spec.kv_capacity_tokens.unwrap_or(wc.kv_capacity_tokens);
+        wc.max_running_requests = spec.max_running_requests.unwrap_or(wc.max_running_requests);
+        wc.chunk_tokens = spec.chunk_tokens.unwrap_or(wc.chunk_tokens);
         // No event stream yet: the worker holds no blocks, so it earns no credit either way, and
         // says so until its stream is up; a block-size mismatch is refused outright.
         let state = match spec.block_size {

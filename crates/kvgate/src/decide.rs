@@ -53,6 +53,8 @@ struct Defaults {
     prefill_tokens_per_s: Option<f64>,
     decode_tokens_per_s: Option<f64>,
     kv_capacity_tokens: Option<u64>,
+    max_running_requests: Option<u64>,
+    chunk_tokens: Option<u64>,
     stale_after_ms: Option<u64>,
 }
 
@@ -63,6 +65,8 @@ struct WorkerInput {
     prefill_tokens_per_s: Option<f64>,
     decode_tokens_per_s: Option<f64>,
     kv_capacity_tokens: Option<u64>,
+    max_running_requests: Option<u64>,
+    chunk_tokens: Option<u64>,
     #[serde(default = "yes")]
     eligible: bool,
     load: Option<LoadInput>,
@@ -254,6 +258,9 @@ fn add_worker(router: &Router, w: &WorkerInput, d: &Defaults, block: usize, now:
         w.prefill_tokens_per_s.or(d.prefill_tokens_per_s).unwrap_or(config.prefill_tokens_per_s);
     config.decode_tokens_per_s = w.decode_tokens_per_s.or(d.decode_tokens_per_s).unwrap_or(config.decode_tokens_per_s);
     config.kv_capacity_tokens = w.kv_capacity_tokens.or(d.kv_capacity_tokens).unwrap_or(config.kv_capacity_tokens);
+    config.max_running_requests =
+        w.max_running_requests.or(d.max_running_requests).unwrap_or(config.max_running_requests);
+    config.chunk_tokens = w.chunk_tokens.or(d.chunk_tokens).unwrap_or(config.chunk_tokens);
     let id = config.id.clone();
     let state = kv_state(&w.kv)?;
     // The state is set before the events so that an untrusted worker still holds its blocks.

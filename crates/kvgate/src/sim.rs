@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use kvgate_core::{Mode, PolicyConfig};
 use kvgate_engine_model::EngineProfile;
 use kvgate_sim::faults;
+use kvgate_sim::matrix::{self, Scenario};
 use kvgate_sim::policy::PolicySpec;
 use kvgate_sim::workload::{self, Workload, WorkloadParams};
 use kvgate_sim::{report, SimConfig};
@@ -17,14 +18,16 @@ use kvgate_sim::{report, SimConfig};
 pub enum Format {
     /// A fixed-width table.
     Table,
-    /// One JSON report, or `{"runs": [...]}` with --compare.
+    /// One JSON report, or `{"runs": [...]}` with --compare, or the matrix's summaries.
     Json,
+    /// The matrix as Markdown tables (docs/simulator.md is written from it); --matrix only.
+    Markdown,
 }
 
 /// Flags of `kvgate sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Scenario: hot-prefix-51, multi-prefix, mooncake or azure [default: hot-prefix-51, or with
+    /// Scenario: hot-prefix-51, multi-prefix, agentic, mooncake or azure [default: hot-prefix-51, or with
     /// --trace the replay its extension names: .jsonl mooncake, .csv azure].
     #[arg(long)]
     scenario: Option<String>,
@@ -107,6 +110,29 @@ pub struct SimArgs {
     /// requests).
     #[arg(long)]
     spread_ticks: bool,
+    /// Run scenarios × seeds × policies and print, per scenario and policy, the mean and 95%
+    /// interval of TTFT p50/p90/p99, throughput, hit rate and rejects, with the p90 over the
+    /// oracle's. Scenarios (comma-separated; all when none is given): hot-prefix-51, multi-prefix,
+    /// agentic, mooncake-conversation, mooncake-synthetic. Policies: --compare, else every one.
+    #[arg(long, num_args = 0.., value_delimiter = ',')]
+    matrix: Option<Vec<String>>,
+    /// With --matrix: seeds 1 to N.
+    #[arg(long, default_value_t = 5)]
+    seeds: u64,
+    /// With --matrix: runs at once [default: the machine's cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// With --matrix: the directory holding the Mooncake traces.
+    #[arg(long, default_value = "../shared/data/traces")]
+    traces: PathBuf,
+    /// Configure engine 0's throughputs in the router at this many times its real ones (3: the
+    /// router is told it is 3× faster than it is), to watch calibration correct them.
+    #[arg(long, default_value_t = 1.0)]
+    misconfigure_first: f64,
+    /// Calibrate kvgate's rates from observed first tokens and inter-token times (the policy knob
+    /// `calibrate`; off by default).
+    #[arg(long)]
+    calibrate: bool,
     /// With --replica-sync nats: the batching window in milliseconds (kvgate's flush_ms).
     #[arg(long, default_value_t = 2)]
     replica_bus_flush_ms: u64,
@@ -143,7 +169,7 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
                 t.display()
             ),
         },
-        (Some(s @ ("hot-prefix-51" | "multi-prefix")), Some(t)) => {
+        (Some(s @ ("hot-prefix-51" | "multi-prefix" | "agentic")), Some(t)) => {
             bail!("--trace {} applies to the mooncake and azure replays, not to the synthetic {s}", t.display())
         }
         (Some(s), Some(_)) => s,
@@ -151,6 +177,7 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
     Ok(match scenario {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
+        "agentic" => workload::agentic(params),
         "mooncake" => workload::mooncake(
             &trace("../shared/data/traces/mooncake_conversation_trace.jsonl"),
             a.workers.unwrap_or(16),
@@ -163,7 +190,7 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
             a.speedup,
             a.limit,
         )?,
-        other => bail!("unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, mooncake or azure"),
+        other => bail!("unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, agentic, mooncake or azure"),
     })
 }
 
@@ -181,21 +208,105 @@ fn specs(a: &SimArgs) -> anyhow::Result<Vec<PolicySpec>> {
     Ok(vec![spec])
 }
 
+/// Every policy the simulator has, for the matrix: the gateway's baselines, the peers, kvgate's
+/// three modes and the oracle.
+fn every_policy() -> anyhow::Result<Vec<PolicySpec>> {
+    let mut out = Vec::new();
+    for name in kvgate_sim::policy::POLICY_NAMES {
+        if *name == "projected" {
+            for mode in ["off", "shadow", "enforce"] {
+                out.push(PolicySpec::parse(&format!("projected:{mode}"))?);
+            }
+        } else {
+            out.push(PolicySpec::parse(name)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The run configuration every flag but the workload's sets, for `spec` and `seed`.
+fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: PolicySpec, seed: u64) -> SimConfig {
+    let mut cfg = SimConfig::new(profile.clone(), spec, seed);
+    cfg.knobs = knobs.clone();
+    cfg.admission_wait_s = a.admission_wait_s;
+    cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
+    cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
+    cfg.replicas = a.replicas;
+    cfg.misconfigured_rate_scale = a.misconfigure_first;
+    cfg.replica_sync = (a.replica_sync == "nats").then(|| kvgate_sim::bus::BusModel {
+        loss: a.replica_bus_loss,
+        delay: Duration::from_millis(a.replica_bus_delay_ms),
+        flush: Duration::from_millis(a.replica_bus_flush_ms),
+        ..Default::default()
+    });
+    cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
+    cfg
+}
+
+fn run_matrix(a: &SimArgs, names: &[String], profile: &EngineProfile, knobs: &PolicyConfig) -> anyhow::Result<()> {
+    let workload_flags = [
+        ("--scenario", a.scenario.is_some()),
+        ("--trace", a.trace.is_some()),
+        ("--workers", a.workers.is_some()),
+        ("--rate", a.rate.is_some()),
+        ("--duration", a.duration.is_some()),
+        ("--limit", a.limit.is_some()),
+        ("--speedup", a.speedup != 1.0),
+        ("--spread-ticks", a.spread_ticks),
+        ("--fault", !a.faults.is_empty()),
+        ("--plot", a.plot.is_some()),
+        ("--mode", a.mode.is_some()),
+    ];
+    if let Some((flag, _)) = workload_flags.iter().find(|(_, set)| *set) {
+        bail!("{flag} does not combine with --matrix: the matrix's scenarios fix their own workloads (see --help)");
+    }
+    if a.seeds == 0 || a.seeds > 100 {
+        bail!("--seeds must be between 1 and 100, got {}", a.seeds);
+    }
+    let scenarios = if names.is_empty() {
+        Scenario::ALL.to_vec()
+    } else {
+        names.iter().map(|n| Scenario::parse(n.trim())).collect::<Result<_, _>>()?
+    };
+    let specs: Vec<PolicySpec> = if a.compare.is_empty() { every_policy()? } else { specs(a)? };
+    let seeds: Vec<u64> = (1..=a.seeds).collect();
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    let summaries = matrix::run(&scenarios, &seeds, &specs, &a.traces, threads, &|spec, seed| {
+        configure(a, profile, knobs, spec, seed)
+    })
+    .context("matrix run failed")?;
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&summaries)?),
+        Format::Table | Format::Markdown => print!("{}", matrix::markdown(&summaries)),
+    }
+    Ok(())
+}
+
 /// Runs `kvgate sim`.
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
-    let mut workload = load_workload(&a).context("cannot build the workload")?;
-    if a.spread_ticks {
-        workload.spread_ticks();
-    }
     let profile = EngineProfile::by_name(&a.profile).with_context(|| {
         format!("unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)", a.profile)
     })?;
     let mut knobs = PolicyConfig::default();
     knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
+    knobs.calibrate = a.calibrate;
     knobs.validate()?;
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {
         bail!("--admission-wait-s must be a non-negative number of seconds");
+    }
+    if let Some(names) = &a.matrix {
+        return run_matrix(&a, names, &profile, &knobs);
+    }
+    if a.format == Format::Markdown {
+        bail!("--format markdown is the matrix's format: add --matrix, or use table or json");
+    }
+    let mut workload = load_workload(&a).context("cannot build the workload")?;
+    if a.spread_ticks {
+        workload.spread_ticks();
     }
     let start = workload.requests.iter().find(|r| r.direct_to.is_none()).map_or(Default::default(), |r| r.arrival);
     let end = workload.requests.last().map_or(start, |r| r.arrival);
@@ -204,20 +315,8 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     let faults = a.faults.iter().map(|f| faults::named(f, target, start, span)).collect::<Result<Vec<_>, _>>()?;
     let mut reports = Vec::new();
     for spec in specs(&a)? {
-        let mut cfg = SimConfig::new(profile.clone(), spec, a.seed);
-        cfg.knobs = knobs.clone();
+        let mut cfg = configure(&a, &profile, &knobs, spec, a.seed);
         cfg.faults = faults.clone();
-        cfg.admission_wait_s = a.admission_wait_s;
-        cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
-        cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
-        cfg.replicas = a.replicas;
-        cfg.replica_sync = (a.replica_sync == "nats").then(|| kvgate_sim::bus::BusModel {
-            loss: a.replica_bus_loss,
-            delay: Duration::from_millis(a.replica_bus_delay_ms),
-            flush: Duration::from_millis(a.replica_bus_flush_ms),
-            ..Default::default()
-        });
-        cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
         reports.push(kvgate_sim::run(&workload, cfg)?);
     }
     let header =
@@ -245,6 +344,7 @@ pub fn write_reports(
         }
         Format::Json if single => println!("{}", serde_json::to_string_pretty(&reports[0])?),
         Format::Json => println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "runs": reports }))?),
+        Format::Markdown => bail!("--format markdown is the simulator matrix's format: use table or json"),
     }
     Ok(())
 }

@@ -189,6 +189,8 @@ fn routing_doc_lists_every_knob_with_its_code_bounds() {
         kvgate_core::PREFILL_TOKENS_PER_S,
         kvgate_core::DECODE_TOKENS_PER_S,
         kvgate_core::KV_CAPACITY_TOKENS,
+        kvgate_core::MAX_RUNNING_REQUESTS,
+        kvgate_core::CHUNK_TOKENS,
     ]);
     for k in knobs {
         let row = format!("| `{}` | {} | {} | {} |", k.name, k.min, k.max, k.default);

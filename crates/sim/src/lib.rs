@@ -1,7 +1,7 @@
 //! kvgate's deterministic discrete-event simulator.
 //!
 //! Layout and flow:
-//! - [`workload`]: scenarios (`hot-prefix-51`, `multi-prefix`) and trace replays (Mooncake, Azure).
+//! - [`workload`]: scenarios (`hot-prefix-51`, `multi-prefix`, `agentic`) and trace replays (Mooncake, Azure).
 //! - [`queue`]: the event queue, ordered by `(time, sequence number)`.
 //! - [`sim`]: the loop. Arrivals go to the policy, then (after admission) to an engine
 //!   ([`kvgate_engine_model`]); engine steps produce first tokens, completions and KV-event batches;
@@ -10,7 +10,8 @@
 //!   through periodic polls.
 //! - [`policy`]: kvgate's core `Router` and the peer baselines behind one trait.
 //! - [`faults`]: KV-event delay and loss, disconnects, restarts, stale telemetry.
-//! - [`report`]: metrics, the JSON report and the comparison table; [`plot`]: SVG charts.
+//! - [`report`]: metrics, the JSON report and the comparison table; [`plot`]: SVG charts;
+//!   [`matrix`]: scenarios × seeds × policies with means and 95% intervals.
 //!
 //! No wall clock and no thread RNG: a run is a function of its workload, configuration and seed.
 
@@ -18,6 +19,7 @@
 
 pub mod bus;
 pub mod faults;
+pub mod matrix;
 pub mod plot;
 pub mod policy;
 pub mod queue;

@@ -218,6 +218,7 @@ impl Recorder {
                     id: format!("w{w}"),
                     requests: self.worker_requests[w],
                     max_waiting: self.worker_max_waiting[w],
+                    planned_rates: None,
                 })
                 .collect(),
             hot_prefix: HotPrefix {
@@ -368,6 +369,10 @@ pub struct WorkerReport {
     pub requests: u64,
     /// Its deepest waiting queue.
     pub max_waiting: u64,
+    /// The prefill and decode rates (tokens/s) the router planned with for it at the end of the run
+    /// (kvgate's policies: configured, then calibrated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned_rates: Option<(f64, f64)>,
 }
 
 /// The tracked hot prefix.

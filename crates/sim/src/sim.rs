@@ -46,6 +46,9 @@ pub struct SimConfig {
     pub admission_wait_s: f64,
     /// Injected faults.
     pub faults: Vec<Fault>,
+    /// Engine 0's throughputs as configured in the router over its real ones (1: configured right;
+    /// 3: the router is told it is 3× faster than it is), for calibration experiments.
+    pub misconfigured_rate_scale: f64,
     /// Router replicas behind one Service, each with its own reservations and view (requests are
     /// spread over them at random).
     pub replicas: usize,
@@ -72,6 +75,7 @@ impl SimConfig {
             replay_buffer: 256,
             health_detect: Duration::from_secs(1),
             admission_wait_s: 30.0,
+            misconfigured_rate_scale: 1.0,
             replicas: 1,
             replica_sync: None,
             faults: Vec::new(),
@@ -173,11 +177,20 @@ impl<'w> Simulation<'w> {
             block_size: p.block_size,
             prefill_tokens_per_s: p.prefill_tokens_per_s,
             decode_tokens_per_s: p.decode_tokens_per_s(p.max_running as u64, 4096),
+            first_worker_rate_scale: cfg.misconfigured_rate_scale,
             kv_capacity_tokens: p.kv_capacity_tokens,
+            max_running_requests: u64::from(p.max_running),
+            chunk_tokens: u64::from(p.chunk_budget),
         };
         let view = vec![WorkerView { healthy: true, ..WorkerView::default() }; workload.workers];
         if cfg.replicas == 0 || cfg.replicas > 64 {
             return Err(SimError::Config(format!("replicas must be between 1 and 64, got {}", cfg.replicas)));
+        }
+        if !(cfg.misconfigured_rate_scale.is_finite() && cfg.misconfigured_rate_scale > 0.0) {
+            return Err(SimError::Config(format!(
+                "misconfigured_rate_scale must be a positive number, got {}",
+                cfg.misconfigured_rate_scale
+            )));
         }
         if let Some(bus) = &cfg.replica_sync {
             bus.validate().map_err(SimError::Config)?;
@@ -302,7 +315,12 @@ impl<'w> Simulation<'w> {
         for (w, h) in self.hosts.iter().enumerate() {
             self.rec.worker_max_waiting(w, h.max_waiting);
         }
-        self.rec.finish(now)
+        let mut report = self.rec.finish(now);
+        // The first replica's rates at the end: what calibration made of the configured ones.
+        for (w, r) in report.workers.iter_mut().enumerate() {
+            r.planned_rates = self.replicas[0].policy.planned_rates(w);
+        }
+        report
     }
 
     fn handle(&mut self, now: Timestamp, ev: Ev) {
@@ -407,7 +425,7 @@ impl<'w> Simulation<'w> {
             if self.hosts[pick.worker].connected {
                 break Some(pick);
             }
-            r.policy.on_finish(id, now);
+            r.policy.on_finish(id, now, None);
             self.changed(replica, now);
             let r = &mut self.replicas[replica];
             r.view[pick.worker].healthy = false;
@@ -423,7 +441,7 @@ impl<'w> Simulation<'w> {
             self.rec.credit_while_untrusted();
         }
         if self.cfg.admission_wait_s > 0.0 && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s {
-            self.replicas[replica].policy.on_finish(id, now);
+            self.replicas[replica].policy.on_finish(id, now, None);
             self.changed(replica, now);
             self.rec.outcome(i, Outcome::Rejected, now);
             return;
@@ -484,7 +502,7 @@ impl<'w> Simulation<'w> {
             if let Some(f) = self.in_flight.remove(&done.id) {
                 let r = &mut self.replicas[f.replica];
                 r.view[f.worker].in_flight -= 1;
-                r.policy.on_finish(done.id, now);
+                r.policy.on_finish(done.id, now, Some(done.output_tokens));
                 self.changed(f.replica, now);
                 self.rec.completed(f.request, &done, now);
             }
@@ -635,7 +653,7 @@ impl<'w> Simulation<'w> {
             if let Some(f) = self.in_flight.remove(&id) {
                 let r = &mut self.replicas[f.replica];
                 r.view[w].in_flight -= 1;
-                r.policy.on_finish(id, now);
+                r.policy.on_finish(id, now, None);
                 self.changed(f.replica, now);
                 self.rec.outcome(f.request, Outcome::Failed, now);
             }

@@ -92,6 +92,20 @@ impl Workload {
     /// simultaneous requests, which several router replicas cannot tell each other about in time,
     /// however fast their bus. The last instant's requests stay together.
     pub fn spread_ticks(&mut self) {
+        self.replace_ticks(|at, gap, k, same| at + gap * k as u64 / same as u64);
+    }
+
+    /// Places the requests a trace records at one instant at uniform random instants (drawn from
+    /// `seed`) between it and the next recorded instant. Each seed is then one plausible arrival
+    /// order behind the trace's rounded timestamps. The last instant's requests stay together.
+    pub fn jitter_ticks(&mut self, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7469_636b);
+        self.replace_ticks(|at, gap, _, _| at + rng.random_range(0..gap));
+    }
+
+    /// Moves the `same` requests of each recorded instant `at` (µs) to `place(at, gap, k, same)`
+    /// for the k-th of them, `gap` being the time to the next instant; then re-sorts.
+    fn replace_ticks(&mut self, mut place: impl FnMut(u64, u64, usize, usize) -> u64) {
         let mut i = 0;
         while i < self.requests.len() {
             let at = self.requests[i].arrival;
@@ -99,11 +113,12 @@ impl Workload {
             if let Some(next) = self.requests.get(i + same).map(|r| r.arrival) {
                 let gap = next.0 - at.0;
                 for (k, r) in self.requests[i..i + same].iter_mut().enumerate() {
-                    r.arrival = Timestamp(at.0 + gap * k as u64 / same as u64);
+                    r.arrival = Timestamp(place(at.0, gap, k, same));
                 }
             }
             i += same;
         }
+        self.requests.sort_by_key(|r| r.arrival);
     }
 }
 
@@ -203,6 +218,65 @@ pub fn multi_prefix(p: WorkloadParams) -> Workload {
         });
     }
     Workload { name: "multi-prefix".into(), workers, requests, hot_owner: None }
+}
+
+/// Agent types of the `agentic` scenario: each has its own system prompt (instructions and tool
+/// schemas), of this many tokens; popularity is Zipf (s = 1).
+const AGENT_SYSTEM_PROMPTS: [u32; 6] = [6_144, 3_072, 4_096, 8_192, 2_048, 5_120];
+
+/// `agentic`: tool-using agent sessions. Sessions start as a Poisson process (default 6 a second for
+/// 120 s on 16 engines), each on one of six shared system prompts. A session runs 1 + a
+/// geometric number of turns (mean 6, at most 24); every turn resends the whole conversation so far
+/// (system prompt, task, then each earlier turn's model output and tool result) and adds the newest
+/// tool result, so a session grows its own prefix turn by turn. Between turns the agent waits for
+/// its tool (think time, exponential, mean 2 s) after the model's answer; the answer's time is
+/// allowed for as 0.5 s plus 30 ms per output token, so the arrivals are fixed in advance (an
+/// open-loop replay, like a trace) rather than reacting to the policy's latency.
+pub fn agentic(p: WorkloadParams) -> Workload {
+    let workers = p.workers.unwrap_or(16);
+    let rate = p.rate.unwrap_or(6.0);
+    let duration = p.duration_s.unwrap_or(120.0);
+    let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
+    let weights: Vec<f64> = (1..=AGENT_SYSTEM_PROMPTS.len()).map(|k| 1.0 / k as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut requests = Vec::new();
+    for (session, start) in poisson_arrivals(&mut rng, rate, duration, 0.0).into_iter().enumerate() {
+        let session = session as u64;
+        let mut x = rng.random::<f64>() * total;
+        let agent = weights
+            .iter()
+            .position(|w| {
+                x -= w;
+                x < 0.0
+            })
+            .unwrap_or(AGENT_SYSTEM_PROMPTS.len() - 1);
+        let mut segments = vec![
+            Segment { seed: digest_str(&format!("agentic/system/{agent}")), len: AGENT_SYSTEM_PROMPTS[agent] },
+            Segment { seed: unique(p.seed, "agentic/task", session), len: rng.random_range(200..1500) },
+        ];
+        let mut turns = 1u32;
+        while turns < 24 && rng.random::<f64>() < 5.0 / 6.0 {
+            turns += 1;
+        }
+        let mut at = start.saturating_since(Timestamp::ZERO).as_secs_f64();
+        for turn in 0..u64::from(turns) {
+            let output_tokens = rng.random_range(50..400);
+            requests.push(SimRequest {
+                arrival: Timestamp::from_secs_f64(at),
+                prompt: PromptSpec { segments: segments.clone() },
+                output_tokens,
+                hot: agent == 0,
+                direct_to: None,
+            });
+            let key = session << 8 | turn;
+            segments.push(Segment { seed: unique(p.seed, "agentic/output", key), len: output_tokens });
+            segments.push(Segment { seed: unique(p.seed, "agentic/tool", key), len: rng.random_range(100..2500) });
+            let think = -rng.random::<f64>().max(f64::MIN_POSITIVE).ln() * 2.0;
+            at += 0.5 + 0.03 * f64::from(output_tokens) + think;
+        }
+    }
+    requests.sort_by_key(|r| r.arrival);
+    Workload { name: "agentic".into(), workers, requests, hot_owner: None }
 }
 
 #[derive(Deserialize)]
@@ -354,6 +428,30 @@ mod tests {
         let (a, b) = (hot[0].prompt.tokens(), hot[1].prompt.tokens());
         assert_eq!(a[..12_288], b[..12_288]);
         assert_ne!(a[12_288..12_300], b[12_288..12_300]);
+    }
+
+    #[test]
+    fn agentic_sessions_grow_their_own_prefix_turn_by_turn() {
+        let w = agentic(WorkloadParams { workers: None, rate: Some(0.5), duration_s: Some(20.0), seed: 3 });
+        assert!(w.requests.windows(2).all(|p| p[0].arrival <= p[1].arrival));
+        // Group the turns of each session by their task segment; each turn extends the one before.
+        let mut sessions: std::collections::HashMap<u64, Vec<&SimRequest>> = Default::default();
+        for r in &w.requests {
+            sessions.entry(r.prompt.segments[1].seed).or_default().push(r);
+        }
+        assert!(sessions.len() >= 5, "{} sessions", sessions.len());
+        assert!(sessions.values().any(|t| t.len() >= 3), "some session has several turns");
+        let systems: std::collections::HashSet<u64> = w.requests.iter().map(|r| r.prompt.segments[0].seed).collect();
+        assert!(systems.len() >= 2, "several shared system prompts");
+        for turns in sessions.values() {
+            for pair in turns.windows(2) {
+                let (a, b) = (&pair[0].prompt.segments, &pair[1].prompt.segments);
+                assert_eq!(&b[..a.len()], &a[..], "a turn resends the conversation so far");
+                assert_eq!(b.len(), a.len() + 2, "and adds the model's answer and a tool result");
+                assert_eq!(b[a.len()].len, pair[0].output_tokens, "the answer is as long as the output");
+                assert!(pair[1].arrival > pair[0].arrival, "after a think time");
+            }
+        }
     }
 
     #[test]

@@ -282,6 +282,10 @@ pub struct PolicyConfig {
     pub balance_rel: f64,
     /// cache_aware only: cap-one distribution seeding (see [`cache_aware`]).
     pub distribution_seeding: bool,
+    /// Calibrate each worker's prefill and decode rates from observed first tokens and inter-token
+    /// times (see [`crate::load::Throughput`]). Off by default: on a fleet configured right it
+    /// costs the simulator's multi-prefix TTFT p90 about 10% (docs/routing.md).
+    pub calibrate: bool,
 }
 
 impl PolicyConfig {
@@ -299,6 +303,7 @@ impl PolicyConfig {
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
             distribution_seeding: false,
+            calibrate: false,
         }
     }
 
@@ -372,6 +377,8 @@ pub struct PolicyPatch {
     pub balance_rel: Option<f64>,
     /// cache_aware only: cap-one distribution seeding.
     pub distribution_seeding: Option<bool>,
+    /// Calibrate the rates from observations (default off).
+    pub calibrate: Option<bool>,
 }
 
 impl PolicyPatch {
@@ -394,6 +401,7 @@ impl PolicyPatch {
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
         cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);
+        cfg.calibrate = self.calibrate.unwrap_or(cfg.calibrate);
         cfg.validate()?;
         Ok(cfg)
     }

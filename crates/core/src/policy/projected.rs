@@ -2,11 +2,20 @@
 //!
 //! ```text
 //! wait_s    = (waiting_tokens + reserved prefill tokens) / prefill_tps
-//! decode_s  = active decode tokens (reported + reserved) / decode_tps
+//! decode_s  = steps × running / decode_tps                 the running batch rides every step
+//!           + slots_short × decode_tokens / (running × decode_tps)   the wait for a batch slot
+//!   steps       = ⌈(waiting_tokens + uncached prompt) / chunk_tokens⌉, at least 1
+//!   slots_short = running + waiting + 1 − max_running_requests, when positive
 //! prefill_s = (prompt − cached prefix) / prefill_tps
 //! barrier_s = f(projected KV usage with this request)      0 below the threshold, steep above
 //! projected = wait_s + decode_s + prefill_s + barrier_s
 //! ```
+//!
+//! A continuous-batching engine admits a new request at its next step: its running decodes do not
+//! have to drain first. They cost the request what they add to each step of its prefill (at the
+//! aggregate decode rate, one running sequence adds `1 / decode_tps` seconds to a step), and, when
+//! the batch is full, the wait until enough running requests finish (they finish at about
+//! `running × decode_tps / decode_tokens` a second). A full KV cache is the barrier's part.
 //!
 //! The cached owner wins only while the prefill it saves outweighs its queue. In `enforce`, the hard
 //! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
@@ -30,6 +39,10 @@ pub struct WorkerLoad {
     pub kv_tokens: u64,
     /// KV capacity in tokens.
     pub kv_capacity_tokens: u64,
+    /// Largest running batch.
+    pub max_running_requests: u64,
+    /// Tokens one engine step computes.
+    pub chunk_tokens: u64,
     /// Effective prefill throughput, tokens per second.
     pub prefill_tps: f64,
     /// Effective decode throughput, tokens per second.
@@ -41,7 +54,8 @@ pub struct WorkerLoad {
 pub struct Terms {
     /// Queued prefill seconds.
     pub wait_s: f64,
-    /// Active decode seconds.
+    /// Seconds the running batch adds to this request: its share of each prefill step, and the
+    /// wait for a batch slot when the batch is full.
     pub decode_s: f64,
     /// Uncached prefill seconds with cache credit.
     pub prefill_s: f64,
@@ -76,7 +90,7 @@ pub fn kv_barrier_s(usage: f64, cfg: &PolicyConfig) -> f64 {
 pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_tokens: u64, cfg: &PolicyConfig) -> Terms {
     let cached = cached_tokens.min(prompt_tokens);
     let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
-    let decode_s = load.decode_tokens as f64 / load.decode_tps;
+    let decode_s = occupancy_s(load, prompt_tokens - cached);
     let usage =
         |new_tokens: u64| (load.kv_tokens + new_tokens + max_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64;
     let prefill_s = (prompt_tokens - cached) as f64 / load.prefill_tps;
@@ -89,8 +103,23 @@ pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_toke
         prefill_s,
         barrier_s,
         projected_s: wait_s + decode_s + prefill_s + barrier_s,
-        load_only_s: wait_s + decode_s + full_prefill_s + full_barrier_s,
+        load_only_s: wait_s + occupancy_s(load, prompt_tokens) + full_prefill_s + full_barrier_s,
     }
+}
+
+/// What the running batch costs a request that brings `new_tokens` of prefill (see the module
+/// docs): its share of every step until that prefill ends, and the wait for a slot in a full batch.
+fn occupancy_s(load: &WorkerLoad, new_tokens: u64) -> f64 {
+    let running = load.running_requests as f64;
+    let steps = load.waiting_tokens.saturating_add(new_tokens).div_ceil(load.chunk_tokens.max(1)).max(1);
+    let riding = steps as f64 * running / load.decode_tps;
+    let slots_short = (load.running_requests + load.waiting_requests + 1).saturating_sub(load.max_running_requests);
+    let slot_wait = if slots_short == 0 || load.running_requests == 0 {
+        0.0
+    } else {
+        slots_short as f64 * load.decode_tokens as f64 / (running * load.decode_tps)
+    };
+    riding + slot_wait
 }
 
 /// Whether `enforce` must leave the cache winner for the load-only winner.
@@ -149,6 +178,8 @@ mod tests {
             decode_tokens: 0,
             kv_tokens: 0,
             kv_capacity_tokens: 500_000,
+            max_running_requests: 256,
+            chunk_tokens: 8192,
             prefill_tps: 20_000.0,
             decode_tps: 2_000.0,
         }
@@ -157,14 +188,39 @@ mod tests {
     #[test]
     fn terms_follow_the_formula() {
         let cfg = PolicyConfig::projected(Mode::Enforce);
-        let load = WorkerLoad { waiting_tokens: 40_000, decode_tokens: 4_000, ..idle() };
+        // 40 running requests with 4,000 decode tokens; 40k queued prefill tokens.
+        let load = WorkerLoad { waiting_tokens: 40_000, running_requests: 40, decode_tokens: 4_000, ..idle() };
         let t = score(&load, 10_000, 8_000, 100, &cfg);
         assert_eq!(t.wait_s, 2.0);
-        assert_eq!(t.decode_s, 2.0);
+        // 42,000 tokens of prefill to our end take 6 steps of 8,192, each carrying 40 sequences.
+        assert!((t.decode_s - 6.0 * 40.0 / 2_000.0).abs() < 1e-12, "{}", t.decode_s);
         assert_eq!(t.prefill_s, 0.1);
         assert_eq!(t.barrier_s, 0.0);
-        assert!((t.projected_s - 4.1).abs() < 1e-12);
-        assert!((t.load_only_s - 4.5).abs() < 1e-12);
+        assert!((t.projected_s - (2.0 + 0.12 + 0.1)).abs() < 1e-12);
+        // Without credit, 50,000 tokens: 7 steps.
+        assert!((t.load_only_s - (2.0 + 7.0 * 0.02 + 0.5)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_running_batch_costs_its_share_of_each_step_not_its_whole_drain() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        // 30 running requests with 300 tokens left each would take 4.5 s to drain at 2,000 tokens/s;
+        // a new 4k prompt is admitted at the next step and shares one step with them.
+        let busy = WorkerLoad { running_requests: 30, decode_tokens: 9_000, ..idle() };
+        let t = score(&busy, 4_096, 0, 100, &cfg);
+        assert!((t.decode_s - 30.0 / 2_000.0).abs() < 1e-12, "{}", t.decode_s);
+        assert!(t.decode_s < 0.1 * 9_000.0 / 2_000.0);
+    }
+
+    #[test]
+    fn a_full_batch_makes_a_request_wait_for_running_ones_to_finish() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        let room = WorkerLoad { running_requests: 8, decode_tokens: 800, max_running_requests: 10, ..idle() };
+        let full = WorkerLoad { waiting_requests: 2, ..room };
+        let (t_room, t_full) = (score(&room, 100, 0, 10, &cfg), score(&full, 100, 0, 10, &cfg));
+        assert!((t_room.decode_s - 8.0 / 2_000.0).abs() < 1e-12, "{}", t_room.decode_s);
+        // 8 + 2 + 1 = 11 wanted, 10 slots: one must finish. They finish at 8 × 2,000 / 800 = 20 a second.
+        assert!((t_full.decode_s - t_room.decode_s - 1.0 / 20.0).abs() < 1e-12, "{}", t_full.decode_s);
     }
 
     #[test]

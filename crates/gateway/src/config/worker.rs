@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use kvgate_core::{DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S};
+use kvgate_core::{CHUNK_TOKENS, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, MAX_RUNNING_REQUESTS, PREFILL_TOKENS_PER_S};
 
 use crate::GatewayError;
 
@@ -48,6 +48,12 @@ pub struct WorkerSpec {
     /// KV capacity in tokens (default: what the engine reports, else 500,000).
     #[serde(default)]
     pub kv_capacity_tokens: Option<u64>,
+    /// Largest running batch (the engine's `--max-num-seqs` or `--max-running-requests`).
+    #[serde(default)]
+    pub max_running_requests: Option<u64>,
+    /// Tokens one engine step computes (`--max-num-batched-tokens` or `--chunked-prefill-size`).
+    #[serde(default)]
+    pub chunk_tokens: Option<u64>,
     /// ZMQ endpoint of the engine's KV-event stream: `tcp://host:port`, or `:port` on the worker's
     /// own host.
     #[serde(default)]
@@ -120,6 +126,8 @@ impl WorkerSpec {
             prefill_tokens_per_s: None,
             decode_tokens_per_s: None,
             kv_capacity_tokens: None,
+            max_running_requests: None,
+            chunk_tokens: None,
             kv_events: None,
             kv_events_bind: None,
             replay: None,
@@ -274,6 +282,8 @@ impl WorkerSpec {
             (PREFILL_TOKENS_PER_S, self.prefill_tokens_per_s),
             (DECODE_TOKENS_PER_S, self.decode_tokens_per_s),
             (KV_CAPACITY_TOKENS, self.kv_capacity_tokens.map(|v| v as f64)),
+            (MAX_RUNNING_REQUESTS, self.max_running_requests.map(|v| v as f64)),
+            (CHUNK_TOKENS, self.chunk_tokens.map(|v| v as f64)),
         ] {
             if let Some(v) = v {
                 knob.check(v).map_err(|e| GatewayError::Config(format!("worker {id}: {e}")))?;

@@ -253,7 +253,7 @@ impl SimPolicy for Lmetric {
         Some(Pick::of(w))
     }
 
-    fn on_finish(&mut self, id: RequestId, _now: Timestamp) {
+    fn on_finish(&mut self, id: RequestId, _now: Timestamp, _output_tokens: Option<u64>) {
         self.inflight.remove(&id);
     }
 }

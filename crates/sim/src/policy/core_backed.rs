@@ -24,12 +24,15 @@ impl CorePolicy {
     pub fn new(fleet: &FleetInfo, policy: PolicyConfig) -> Result<Self, SimError> {
         let router = Router::new(fleet.block_size, policy).map_err(|e| SimError::Config(e.to_string()))?;
         let ids: Vec<WorkerId> = (0..fleet.workers).map(|i| WorkerId::new(format!("w{i}"))).collect();
-        for id in &ids {
+        for (i, id) in ids.iter().enumerate() {
+            let scale = if i == 0 { fleet.first_worker_rate_scale } else { 1.0 };
             let config = WorkerConfig {
                 id: id.clone(),
-                prefill_tokens_per_s: fleet.prefill_tokens_per_s,
-                decode_tokens_per_s: fleet.decode_tokens_per_s,
+                prefill_tokens_per_s: fleet.prefill_tokens_per_s * scale,
+                decode_tokens_per_s: fleet.decode_tokens_per_s * scale,
                 kv_capacity_tokens: fleet.kv_capacity_tokens,
+                max_running_requests: fleet.max_running_requests,
+                chunk_tokens: fleet.chunk_tokens,
             };
             router.add_worker(config, KvState::Synced).map_err(|e| SimError::Config(e.to_string()))?;
         }
@@ -90,12 +93,17 @@ impl SimPolicy for CorePolicy {
         let _ = self.router.first_token(id, now);
     }
 
-    fn on_finish(&mut self, id: RequestId, now: Timestamp) {
-        let _ = self.router.release(id, now);
+    fn on_finish(&mut self, id: RequestId, now: Timestamp, output_tokens: Option<u64>) {
+        let _ = self.router.release_with_output(id, now, output_tokens);
     }
 
     fn on_health(&mut self, worker: usize, healthy: bool) {
         let _ = self.router.set_eligible(&self.ids[worker], healthy);
+    }
+
+    fn planned_rates(&self, worker: usize) -> Option<(f64, f64)> {
+        let status = self.router.worker_status(self.ids.get(worker)?, Timestamp::ZERO).ok()?;
+        Some((status.prefill_tokens_per_s, status.decode_tokens_per_s))
     }
 
     fn reads_true_state(&self) -> bool {

@@ -129,7 +129,7 @@ impl SimPolicy for Dynamo {
         }
     }
 
-    fn on_finish(&mut self, id: RequestId, now: Timestamp) {
+    fn on_finish(&mut self, id: RequestId, now: Timestamp, _output_tokens: Option<u64>) {
         self.on_first_token(id, now);
         if let Some(r) = self.reservations.remove(&id) {
             let active = &mut self.active_blocks[r.worker];

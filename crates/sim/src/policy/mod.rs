@@ -90,6 +90,12 @@ pub struct FleetInfo {
     pub decode_tokens_per_s: f64,
     /// Engine KV capacity.
     pub kv_capacity_tokens: u64,
+    /// Engine running-batch limit.
+    pub max_running_requests: u64,
+    /// Engine step token budget.
+    pub chunk_tokens: u64,
+    /// Engine 0's configured throughputs over its real ones (a misconfigured worker; 1 = right).
+    pub first_worker_rate_scale: f64,
 }
 
 /// A routing policy driven by the simulator.
@@ -110,10 +116,15 @@ pub trait SimPolicy {
     fn on_kv_state(&mut self, _worker: usize, _state: KvState, _clear: bool) {}
     /// A request produced its first token.
     fn on_first_token(&mut self, _id: RequestId, _now: Timestamp) {}
-    /// A request left the system: finished, failed, or rejected after `decide`.
-    fn on_finish(&mut self, _id: RequestId, _now: Timestamp) {}
+    /// A request left the system: finished (with the tokens it generated), failed, or rejected
+    /// after `decide` (`None`).
+    fn on_finish(&mut self, _id: RequestId, _now: Timestamp, _output_tokens: Option<u64>) {}
     /// Health changed.
     fn on_health(&mut self, _worker: usize, _healthy: bool) {}
+    /// The prefill and decode rates the policy plans with for `worker`, if it has any.
+    fn planned_rates(&self, _worker: usize) -> Option<(f64, f64)> {
+        None
+    }
     /// Starts queueing reservation changes for the replica bus; false if the policy keeps no
     /// reservations to share.
     fn share_reservations(&mut self) -> bool {

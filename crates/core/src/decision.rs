@@ -147,7 +147,7 @@ pub struct Decision {
     /// Prompt tokens credited as cached on the chosen worker.
     pub cached_tokens: u64,
     /// Score terms: every eligible worker when there are at most [`MAX_SCORES`], else the
-    /// lowest-scoring ones plus the load-only winner.
+    /// lowest-scoring ones plus the chosen worker and the load-only winner.
     pub scores: Vec<ScoreTerms>,
 }
 
@@ -155,6 +155,13 @@ pub struct Decision {
 pub const MAX_SCORES: usize = 16;
 
 impl Decision {
+    /// The admission measure: the chosen worker's projected queue (`wait_s + decode_s`), the
+    /// seconds this request would wait there before its own prefill. The gateway and the simulator
+    /// both refuse a request above their `admission_wait_s` on this number.
+    pub fn admission_wait_s(&self) -> f64 {
+        self.scores.iter().find(|s| s.worker == self.worker).map_or(0.0, |s| s.wait_s + s.decode_s)
+    }
+
     /// In `shadow`, whether enforce would have chosen differently.
     pub fn shadow_disagrees(&self) -> bool {
         self.mode == Mode::Shadow && self.enforce_worker.as_ref() != Some(&self.worker)

@@ -69,6 +69,7 @@ pub mod load;
 pub mod policy;
 pub mod replicas;
 pub mod router;
+pub mod telemetry;
 pub mod time;
 
 pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};

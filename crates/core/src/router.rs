@@ -362,7 +362,7 @@ impl Router {
             enforce_reason: enforce.map(|(_, r)| r),
             prompt_tokens: req.prompt_tokens,
             cached_tokens: winner.cached_tokens,
-            scores: score_list(&scored, load_winner, id_of),
+            scores: score_list(&scored, chosen, load_winner, id_of),
         })
     }
 
@@ -428,7 +428,14 @@ pub fn reusable_tokens(blocks: u32, prompt_tokens: u64, block_size: u32) -> u64 
     u64::from(blocks).min(prompt_tokens.saturating_sub(1) / bs) * bs
 }
 
-fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> WorkerId) -> Vec<ScoreTerms> {
+/// The scores a decision lists: every worker's when there are few, else the best few, and always
+/// the chosen worker and the load-only winner (admission reads the chosen one's queue).
+fn score_list(
+    scored: &[Scored],
+    chosen: usize,
+    load_winner: usize,
+    id_of: impl Fn(usize) -> WorkerId,
+) -> Vec<ScoreTerms> {
     let by_score =
         |a: &usize, b: &usize| scored[*a].terms.projected_s.total_cmp(&scored[*b].terms.projected_s).then(a.cmp(b));
     let mut order: Vec<usize> = (0..scored.len()).collect();
@@ -437,8 +444,10 @@ fn score_list(scored: &[Scored], load_winner: usize, id_of: impl Fn(usize) -> Wo
         order.select_nth_unstable_by(MAX_SCORES - 1, by_score);
         order.truncate(MAX_SCORES);
         order.sort_by(by_score);
-        if !order.contains(&load_winner) {
-            order.push(load_winner);
+        for must in [chosen, load_winner] {
+            if !order.contains(&must) {
+                order.push(must);
+            }
         }
     } else {
         order.sort_by(by_score);

@@ -64,6 +64,10 @@ fn cache_aware_with_cap_one_seeding_piles_the_burst_onto_the_owner() {
         }
     }
     assert_eq!(on_owner, 49, "the hot prefix is pinned to its one owner, whatever its queue");
+    // The owner scores worst of 51, yet its queue is in the decision: admission reads it there.
+    let d = decide(&router, &Req::new(&router, 99, &hot_prompt(&prefix, 99, 200), 256), T0);
+    assert_eq!(d.worker, wid(0));
+    assert!(d.admission_wait_s() > 45.0, "the owner's queue: {}", d.admission_wait_s());
 }
 
 #[test]

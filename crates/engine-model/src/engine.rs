@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 
 use kvgate_core::{BlockHasher, BlockKey, LoadSnapshot, RequestId, Timestamp};
+use kvgate_protocol::telemetry::EngineLoad;
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 
 use crate::cache::PagedCache;
@@ -373,6 +374,30 @@ impl Engine {
             kv_usage: self.cache.used_blocks() as f64 / self.cache.capacity_blocks().max(1) as f64,
             observed_at: now,
             estimated: None,
+        }
+    }
+
+    /// The load report this engine serves, in the wire format of `flavor`, as kvgate's poller
+    /// parses it: vLLM's `/metrics` (request counts and KV usage, no token counts) or SGLang's
+    /// `/v1/loads` (counts, the queued requests' uncached tokens, the running requests' KV tokens,
+    /// KV usage). Neither says what the running batch still has to prefill or decode; [`Engine::load`]
+    /// is the exact state, for the simulator's oracle only.
+    pub fn report(&self, flavor: Flavor) -> EngineLoad {
+        let kv_usage = self.cache.used_blocks() as f64 / self.cache.capacity_blocks().max(1) as f64;
+        let counts = EngineLoad {
+            waiting_requests: self.waiting.len() as u64,
+            running_requests: self.running.len() as u64,
+            kv_usage: Some(kv_usage),
+            kv_capacity_tokens: Some(self.profile.kv_capacity_tokens),
+            ..EngineLoad::default()
+        };
+        match flavor {
+            Flavor::Vllm => EngineLoad { block_size: Some(self.profile.block_size), ..counts },
+            Flavor::Sglang => EngineLoad {
+                waiting_uncached_tokens: Some(self.waiting.iter().map(|r| r.uncached_at_arrival).sum()),
+                active_tokens: Some(self.running.iter().map(|r| r.prompt_tokens + u64::from(r.generated)).sum()),
+                ..counts
+            },
         }
     }
 

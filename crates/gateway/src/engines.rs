@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvgate_core::telemetry::{snapshot_from_report, CountAssumptions};
 use kvgate_core::{KvState, LoadSnapshot};
 use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoad};
 
@@ -377,26 +378,15 @@ fn observe_identity(ctx: &EngineContext, engine: &EngineHandle, load: &EngineLoa
     }
 }
 
-/// The core's load snapshot from an engine's report; what the engine does not report is estimated
-/// from counts (see `assumed_prompt_tokens` and `assumed_decode_tokens`).
+/// The core's load snapshot from an engine's report (the core's conversion, which the simulator
+/// runs too); what the engine does not report is estimated from counts (see
+/// `assumed_prompt_tokens` and `assumed_decode_tokens`).
 pub fn to_snapshot(ctx: &EngineContext, load: &EngineLoad) -> LoadSnapshot {
-    let per_waiting = load.waiting_uncached_tokens.is_none().then_some(ctx.settings.assumed_prompt_tokens);
-    let per_running = ctx.settings.assumed_decode_tokens;
-    LoadSnapshot {
-        waiting_requests: load.waiting_requests,
-        waiting_tokens: load
-            .waiting_uncached_tokens
-            .unwrap_or(load.waiting_requests.saturating_mul(ctx.settings.assumed_prompt_tokens)),
-        running_requests: load.running_requests,
-        active_decode_tokens: load.running_requests.saturating_mul(per_running),
-        kv_usage: load.kv_usage.unwrap_or(0.0),
-        observed_at: ctx.clock.now(),
-        // Neither engine reports the prefill left in its running batch, nor per-request decode work.
-        estimated: Some(kvgate_core::CountEstimate {
-            prompt_tokens_per_waiting: per_waiting,
-            decode_tokens_per_running: per_running,
-        }),
-    }
+    let assumed = CountAssumptions {
+        prompt_tokens_per_waiting: ctx.settings.assumed_prompt_tokens,
+        decode_tokens_per_running: ctx.settings.assumed_decode_tokens,
+    };
+    snapshot_from_report(load, assumed, ctx.clock.now())
 }
 
 #[cfg(test)]

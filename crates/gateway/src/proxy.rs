@@ -147,11 +147,6 @@ pub fn endpoint_name(e: Endpoint) -> &'static str {
     e.path()
 }
 
-/// The chosen engine's projected queue, the admission measure.
-fn chosen_wait_s(d: &Decision) -> f64 {
-    d.scores.iter().find(|s| s.worker == d.worker).map_or(0.0, |s| s.wait_s + s.decode_s)
-}
-
 /// A place in the bounded queue, given back however the request ends (a client that goes away
 /// while queued included).
 struct QueueSlot<'a> {
@@ -222,7 +217,7 @@ async fn place(
             }
             Err(DecideError::DuplicateRequest(_)) => return Err(ApiError::Internal),
         };
-        let wait = chosen_wait_s(&decision);
+        let wait = decision.admission_wait_s();
         let worker = decision.worker.clone();
         record(state, endpoint, decision, started);
         let limit = state.runtime.read().admission_wait_s;

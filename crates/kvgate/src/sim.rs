@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvgate_core::{Mode, PolicyConfig};
-use kvgate_engine_model::EngineProfile;
+use kvgate_engine_model::{EngineProfile, Flavor};
 use kvgate_sim::faults;
 use kvgate_sim::matrix::{self, Scenario};
 use kvgate_sim::policy::PolicySpec;
@@ -125,6 +125,11 @@ pub struct SimArgs {
     /// With --matrix: the directory holding the Mooncake traces.
     #[arg(long, default_value = "../shared/data/traces")]
     traces: PathBuf,
+    /// The load report the engines serve and the router polls: vllm (request counts and KV usage)
+    /// or sglang (/v1/loads, with queued tokens) [default: the profile's engine; profile a is
+    /// SGLang, b vLLM]. Only the oracle reads the engines' exact state.
+    #[arg(long, value_parser = ["vllm", "sglang"])]
+    telemetry: Option<String>,
     /// Configure engine 0's throughputs in the router at this many times its real ones (3: the
     /// router is told it is 3× faster than it is), to watch calibration correct them.
     #[arg(long, default_value_t = 1.0)]
@@ -227,6 +232,11 @@ fn every_policy() -> anyhow::Result<Vec<PolicySpec>> {
 /// The run configuration every flag but the workload's sets, for `spec` and `seed`.
 fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: PolicySpec, seed: u64) -> SimConfig {
     let mut cfg = SimConfig::new(profile.clone(), spec, seed);
+    cfg.telemetry = match a.telemetry.as_deref() {
+        Some("vllm") => Flavor::Vllm,
+        Some("sglang") => Flavor::Sglang,
+        _ => profile.flavor,
+    };
     cfg.knobs = knobs.clone();
     cfg.admission_wait_s = a.admission_wait_s;
     cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));

@@ -5,8 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_core::kv_stream::{BatchMark, LiveAction, StreamTracker};
+use kvgate_core::policy::projected::{self, WorkerLoad};
+use kvgate_core::telemetry::{snapshot_from_report, CountAssumptions};
 use kvgate_core::{BlockHasher, BlockKey, KvState, Namespace, PolicyConfig, RequestId, Timestamp};
-use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, StepOutcome};
+use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, Flavor, StepOutcome};
 use kvgate_protocol::KvEvent;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -16,7 +18,7 @@ use crate::bus::{BusMessage, BusModel};
 use crate::faults::Fault;
 use crate::policy::{self, FleetInfo, PolicyRequest, PolicySpec, SimPolicy, WorkerView};
 use crate::report::{Outcome, Recorder, Report};
-use crate::workload::Workload;
+use crate::workload::{SimRequest, Workload};
 use crate::SimError;
 
 /// Everything a run needs besides the workload.
@@ -46,6 +48,10 @@ pub struct SimConfig {
     pub admission_wait_s: f64,
     /// Injected faults.
     pub faults: Vec<Fault>,
+    /// The load report every engine serves and the router polls: vLLM's counts or SGLang's
+    /// `/v1/loads` (default: the profile's engine), converted by the gateway's own function. Only
+    /// the `oracle` policy reads the engines' exact state.
+    pub telemetry: Flavor,
     /// Engine 0's throughputs as configured in the router over its real ones (1: configured right;
     /// 3: the router is told it is 3× faster than it is), for calibration experiments.
     pub misconfigured_rate_scale: f64,
@@ -65,6 +71,7 @@ impl SimConfig {
     /// Defaults for `policy` on engines of `profile`.
     pub fn new(profile: EngineProfile, policy: PolicySpec, seed: u64) -> Self {
         SimConfig {
+            telemetry: profile.flavor,
             profile,
             policy,
             knobs: PolicyConfig::default(),
@@ -440,7 +447,8 @@ impl<'w> Simulation<'w> {
         if pick.cached_tokens.unwrap_or(0) > 0 && self.untrusted(pick.worker, now) {
             self.rec.credit_while_untrusted();
         }
-        if self.cfg.admission_wait_s > 0.0 && self.projected_wait_s(replica, pick.worker) > self.cfg.admission_wait_s {
+        let wait = pick.admission_wait_s.unwrap_or_else(|| self.admission_wait_s(replica, pick.worker, &tokens, req));
+        if self.cfg.admission_wait_s > 0.0 && wait > self.cfg.admission_wait_s {
             self.replicas[replica].policy.on_finish(id, now, None);
             self.changed(replica, now);
             self.rec.outcome(i, Outcome::Rejected, now);
@@ -456,14 +464,26 @@ impl<'w> Simulation<'w> {
         self.submit(pick.worker, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
     }
 
-    /// The admission estimate, the same for every policy: reported queue plus what was sent since,
-    /// over the prefill rate, plus the reported decode backlog over the decode rate.
-    fn projected_wait_s(&self, replica: usize, w: usize) -> f64 {
+    /// The admission measure for a policy without kvgate's router: the core's projected queue
+    /// (`wait_s + decode_s`, as [`kvgate_core::Decision::admission_wait_s`] gives kvgate's) of the
+    /// engine's last report plus what was sent to it since, at the profile's rates.
+    fn admission_wait_s(&self, replica: usize, w: usize, tokens: &[u32], req: &SimRequest) -> f64 {
         let v = &self.replicas[replica].view[w];
         let p = &self.cfg.profile;
-        let (queued, decode) = v.snapshot.map_or((0, 0), |s| (s.waiting_tokens, s.active_decode_tokens));
-        (queued + v.sent_tokens_since_poll) as f64 / p.prefill_tokens_per_s
-            + decode as f64 / p.decode_tokens_per_s(p.max_running as u64, 4096)
+        let s = v.snapshot.unwrap_or_default();
+        let load = WorkerLoad {
+            waiting_requests: s.waiting_requests + v.sent_requests_since_poll,
+            waiting_tokens: s.waiting_tokens + v.sent_tokens_since_poll,
+            running_requests: s.running_requests,
+            decode_tokens: s.active_decode_tokens,
+            kv_tokens: (s.kv_usage * p.kv_capacity_tokens as f64) as u64,
+            kv_capacity_tokens: p.kv_capacity_tokens,
+            max_running_requests: u64::from(p.max_running),
+            chunk_tokens: u64::from(p.chunk_budget),
+            prefill_tps: p.prefill_tokens_per_s,
+            decode_tps: p.decode_tokens_per_s(p.max_running as u64, 4096),
+        };
+        projected::score(&load, tokens.len() as u64, 0, u64::from(req.output_tokens), &self.cfg.knobs).queue_s()
     }
 
     fn submit(&mut self, w: usize, req: EngineRequest, now: Timestamp) {
@@ -634,7 +654,8 @@ impl<'w> Simulation<'w> {
         let host = &self.hosts[w];
         let failing = host.polls_fail_from.is_some_and(|f| now >= f) && host.polls_fail_until.is_none_or(|u| now < u);
         if host.connected && !failing {
-            let snapshot = host.engine.load(now);
+            let report = host.engine.report(self.cfg.telemetry);
+            let snapshot = snapshot_from_report(&report, CountAssumptions::default(), now);
             for r in &mut self.replicas {
                 let v = &mut r.view[w];
                 v.snapshot = Some(snapshot);

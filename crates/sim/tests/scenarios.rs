@@ -230,7 +230,10 @@ fn several_router_replicas_each_reserve_on_their_own_and_still_spread() {
     let eight = run_with(&m, "projected:enforce", 1, |c| c.replicas = 8);
     assert_eq!(eight.requests.completed, eight.requests.total);
     let (min, max) = spread(&eight);
-    assert!(min > 0.6 && max < 1.4, "per-worker share {min:.2}..{max:.2}");
+    // The engines report what SGLang's /v1/loads does (counts and queued tokens, not the running
+    // batch's work), so replicas that share nothing agree a little less than on exact state (which
+    // gave 0.6..1.4).
+    assert!(min > 0.45 && max < 1.5, "per-worker share {min:.2}..{max:.2}");
     // Replicas converge through telemetry; their private reservations cost a little reuse at most.
     assert!(eight.cache.hit_rate > one.cache.hit_rate - 0.03);
     let bad = kvgate_sim::run(&m, {

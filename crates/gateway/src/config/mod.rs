@@ -241,22 +241,7 @@ pub const DECISION_LOG: Knob = Knob {
     default: 1000.0,
     meaning: "recent decisions kept for GET /admin/decisions",
 };
-/// See [`GatewayConfig::assumed_prompt_tokens`].
-pub const ASSUMED_PROMPT_TOKENS: Knob = Knob {
-    name: "assumed_prompt_tokens",
-    min: 1.0,
-    max: 10_000_000.0,
-    default: 1024.0,
-    meaning: "queued tokens per waiting request for engines that report only counts (vLLM)",
-};
-/// See [`GatewayConfig::assumed_decode_tokens`].
-pub const ASSUMED_DECODE_TOKENS: Knob = Knob {
-    name: "assumed_decode_tokens",
-    min: 1.0,
-    max: 10_000_000.0,
-    default: 256.0,
-    meaning: "decode tokens left per running request, since engines do not report it",
-};
+pub use kvgate_core::telemetry::{ASSUMED_DECODE_TOKENS, ASSUMED_PROMPT_TOKENS};
 
 /// The gateway's validated configuration.
 #[derive(Debug, Clone)]

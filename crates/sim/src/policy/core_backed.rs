@@ -71,6 +71,7 @@ impl SimPolicy for CorePolicy {
             reason: Some(d.reason),
             shadow_disagrees: (d.mode == kvgate_core::Mode::Shadow).then(|| d.shadow_disagrees()),
             cached_tokens: Some(d.cached_tokens),
+            admission_wait_s: Some(d.admission_wait_s()),
         })
     }
 

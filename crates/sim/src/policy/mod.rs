@@ -68,12 +68,14 @@ pub struct Pick {
     pub shadow_disagrees: Option<bool>,
     /// kvgate policies: prompt tokens credited as cached on the chosen engine.
     pub cached_tokens: Option<u64>,
+    /// kvgate policies: the decision's admission measure ([`kvgate_core::Decision::admission_wait_s`]).
+    pub admission_wait_s: Option<f64>,
 }
 
 impl Pick {
     /// A pick with nothing else to say.
     pub fn of(worker: usize) -> Self {
-        Pick { worker, reason: None, shadow_disagrees: None, cached_tokens: None }
+        Pick { worker, reason: None, shadow_disagrees: None, cached_tokens: None, admission_wait_s: None }
     }
 }
 

@@ -132,3 +132,42 @@ fn a_run_that_completed_nothing_shows_no_latency_rather_than_zero() {
     let row = table.lines().find(|l| l.starts_with("cache_aware_seeded")).unwrap();
     assert_eq!(row.split_whitespace().nth(6), Some("-"), "ttft p50 is '-': {row}");
 }
+
+#[test]
+fn the_matrix_summarises_every_policy_over_seeds_and_checks_enforce() {
+    let out = ok_json(&[
+        "sim",
+        "--matrix",
+        "hot-prefix-51",
+        "--seeds",
+        "2",
+        "--compare",
+        "smg_least_load,projected:enforce,oracle",
+        "--format",
+        "json",
+    ]);
+    let s = &out[0];
+    assert_eq!(s["scenario"], "hot-prefix-51");
+    assert_eq!(s["seeds"], serde_json::json!([1, 2]));
+    let policies = s["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 3);
+    for p in policies {
+        assert_eq!(p["ttft_p90_s"]["n"], 2, "one value per seed: {p}");
+        assert!(p["ttft_p90_s"]["ci95"].as_f64().unwrap() >= 0.0);
+    }
+    assert_eq!(policies[2]["p90_over_oracle"], 1.0);
+    assert!(s["targets"]["lowest_p99"].is_boolean(), "{}", s["targets"]);
+}
+
+#[test]
+fn the_matrix_refuses_workload_flags_and_markdown_needs_it() {
+    let err = |args: &[&str]| {
+        let out = kvgate(args);
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(err(&["sim", "--matrix", "--rate", "5"]).contains("--rate does not combine with --matrix"));
+    assert!(err(&["sim", "--matrix", "mooncake"]).contains("mooncake-conversation"));
+    assert!(err(&["sim", "--matrix", "--seeds", "0"]).contains("--seeds"));
+    assert!(err(&["sim", "--format", "markdown"]).contains("--matrix"));
+}

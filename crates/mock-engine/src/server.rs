@@ -249,9 +249,9 @@ async fn loads(State(s): State<ServerState>) -> Json<Value> {
         "dp_rank": 0,
         "num_running_reqs": l.running_requests,
         "num_waiting_reqs": l.waiting_requests,
-        "num_waiting_uncached_tokens": l.waiting_tokens,
-        "num_active_tokens": l.active_decode_tokens,
-        "token_usage": l.kv_usage,
+        "num_waiting_uncached_tokens": l.waiting_uncached_tokens.unwrap_or(0),
+        "num_active_tokens": l.active_tokens.unwrap_or(0),
+        "token_usage": l.kv_usage.unwrap_or(0.0),
         "max_total_num_tokens": s.capacity_tokens,
     }]}))
 }
@@ -272,7 +272,7 @@ async fn metrics(State(s): State<ServerState>) -> String {
          num_gpu_blocks=\"{blocks}\",prefix_caching_hash_algo=\"sha256\"}} 1.0\n",
         l.running_requests,
         l.waiting_requests,
-        l.kv_usage,
+        l.kv_usage.unwrap_or(0.0),
         s.shared.prompt_tokens.load(Ordering::Relaxed),
         s.shared.cached_tokens.load(Ordering::Relaxed),
         m = s.model,

@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_core::{LoadSnapshot, RequestId, Timestamp};
-use kvgate_engine_model::{Engine, EngineRequest, EventBatch};
+use kvgate_core::RequestId;
+use kvgate_engine_model::{Engine, EngineRequest, EventBatch, Flavor};
+use kvgate_protocol::telemetry::EngineLoad;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
@@ -48,8 +49,9 @@ pub enum Command {
 /// State the HTTP side reads.
 #[derive(Debug, Default)]
 pub struct Shared {
-    /// The latest load, as the engine would report it.
-    pub load: Mutex<LoadSnapshot>,
+    /// The latest load report, as SGLang's `/v1/loads` carries it (a superset of vLLM's counts);
+    /// the same report the simulator's engines serve.
+    pub load: Mutex<EngineLoad>,
     /// Prompt tokens admitted since start.
     pub prompt_tokens: AtomicU64,
     /// Of those, served from the prefix cache.
@@ -112,7 +114,7 @@ pub async fn run(
             } else {
                 // Idle until told otherwise: what it reports must say so (a cancel may have just
                 // emptied it).
-                publish_load(&engine, &shared, clock.now());
+                publish_load(&engine, &shared);
                 match commands.recv().await {
                     Some(c) => c,
                     None => return,
@@ -143,7 +145,7 @@ pub async fn run(
         // A stalled engine still queues what arrives (and reports it), but runs no step.
         if let Some(until) = stalled_until {
             if clock.instant() < until {
-                publish_load(&engine, &shared, clock.now());
+                publish_load(&engine, &shared);
                 let left = until.saturating_duration_since(clock.instant());
                 tokio::select! {
                     _ = tokio::time::sleep(left.min(Duration::from_millis(20))) => {}
@@ -166,7 +168,7 @@ pub async fn run(
             let _ = batches.send(b);
         }
         let Some(micros) = engine.begin_step() else {
-            publish_load(&engine, &shared, clock.now());
+            publish_load(&engine, &shared);
             continue;
         };
         tokio::time::sleep(Duration::from_secs_f64(micros as f64 / 1e6 / speedup)).await;
@@ -196,7 +198,7 @@ pub async fn run(
         }
         shared.prompt_tokens.store(engine.prompt_tokens_total, Ordering::Relaxed);
         shared.cached_tokens.store(engine.cached_tokens_total, Ordering::Relaxed);
-        publish_load(&engine, &shared, clock.now());
+        publish_load(&engine, &shared);
     }
 }
 
@@ -212,8 +214,8 @@ fn cancel(
     }
 }
 
-fn publish_load(engine: &Engine, shared: &Shared, now: Timestamp) {
-    let load = engine.load(now);
+fn publish_load(engine: &Engine, shared: &Shared) {
+    let load = engine.report(Flavor::Sglang);
     shared.max_waiting.fetch_max(load.waiting_requests, Ordering::Relaxed);
     *shared.load.lock() = load;
 }

@@ -372,7 +372,7 @@ async fn a_client_that_goes_away_cancels_its_work_in_the_engine() {
     wait("the second cancel", || cancelled() == 2).await;
     wait("an idle engine", || {
         let l = *engine.shared.load.lock();
-        l.running_requests == 0 && l.waiting_requests == 0 && l.kv_usage == 0.0
+        l.running_requests == 0 && l.waiting_requests == 0 && l.kv_usage.unwrap_or(0.0) == 0.0
     })
     .await;
 }

@@ -165,7 +165,7 @@ pub(crate) struct WorkerState {
 
 /// Prompt tokens (queued ahead plus its own) below which a request's time to first token is mostly
 /// fixed per-step and per-request cost and says little about the prefill rate.
-pub const MIN_CALIBRATION_PREFILL_TOKENS: u64 = 256;
+pub(crate) const MIN_CALIBRATION_PREFILL_TOKENS: u64 = 256;
 
 /// One request's projection at its decision, and when its first token came.
 #[derive(Debug, Clone, Copy)]
@@ -255,8 +255,11 @@ impl WorkerState {
     /// The first token of `id` came at `now`: the time since its decision, less what the running
     /// batch was projected to add, is how long its prefill (and the queue ahead) really took.
     pub(crate) fn calibrate_first_token(&mut self, id: RequestId, now: Timestamp) {
+        if self.timings.get(&id).is_none_or(|t| t.first_token.is_some()) {
+            return;
+        }
         let running = self.load().running_requests;
-        let Some(t) = self.timings.get_mut(&id).filter(|t| t.first_token.is_none()) else {
+        let Some(t) = self.timings.get_mut(&id) else {
             return;
         };
         t.first_token = Some((now, running));

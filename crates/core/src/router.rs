@@ -338,8 +338,10 @@ impl Router {
             let last_event_at = self.index.read().last_event_at(winner.slot);
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
-            let ahead = winner.load.waiting_tokens.saturating_add(prefill_tokens);
-            state.timings.insert(req.id, Timing::new(now, ahead, winner.terms.decode_s));
+            if cfg.calibrate {
+                let ahead = winner.load.waiting_tokens.saturating_add(prefill_tokens);
+                state.timings.insert(req.id, Timing::new(now, ahead, winner.terms.decode_s));
+            }
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.requests.insert(req.id, winner.slot);

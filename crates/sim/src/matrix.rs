@@ -6,7 +6,7 @@
 //! `oracle`'s (the information gap), and a check of projected:enforce against the targets of
 //! issue 10.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -91,11 +91,6 @@ impl Scenario {
         w.jitter_ticks(seed);
         Ok(w)
     }
-}
-
-/// The directory of the shared traces beside a checkout.
-pub fn default_traces_dir() -> PathBuf {
-    PathBuf::from("../shared/data/traces")
 }
 
 /// A mean over seeds and the half-width of its 95% confidence interval.

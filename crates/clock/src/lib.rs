@@ -32,6 +32,11 @@ impl Clock {
         Timestamp(instant.saturating_duration_since(self.epoch).as_micros() as u64)
     }
 
+    /// The instant of a timestamp (a deadline the core computed).
+    pub fn instant_at(&self, at: Timestamp) -> Instant {
+        self.epoch + std::time::Duration::from_micros(at.as_micros())
+    }
+
     /// The current instant, for measuring durations and setting deadlines.
     pub fn instant(&self) -> Instant {
         read()
@@ -62,5 +67,6 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1500)).await;
         assert_eq!(clock.now().0 - t0.0, 1_500_000);
         assert_eq!(clock.instant() - i0, Duration::from_millis(1500));
+        assert_eq!(clock.at(clock.instant_at(t0)), t0);
     }
 }

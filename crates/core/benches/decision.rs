@@ -100,9 +100,16 @@ fn bench_decision(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("decide_release_prehashed", workers), |b| {
             b.iter(|| decide_and_release(black_box(&keys)))
         });
-        // With replica sharing on, every decision and release also queues its change; the bus task
-        // takes the queue every 2 ms, here after every decision (the worst case).
-        router.share_reservations(true);
+        // With replica sharing on, every decision and release also queues its change and may signal
+        // the bus task (here a counter); the queue is taken after every decision (the worst case).
+        let signals = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let signal = signals.clone();
+        router.batch_reservation_changes(
+            kvgate_core::BatchWindows::default(),
+            Some(std::sync::Arc::new(move || {
+                signal.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })),
+        );
         group.bench_function(BenchmarkId::new("hash_decide_release_sharing", workers), |b| {
             b.iter(|| {
                 decide_and_release(&router.request_keys(Namespace::DEFAULT, black_box(&prompt)));

@@ -335,14 +335,14 @@ pub(crate) struct Fleet {
     /// Peer replicas and the reservations they shared.
     pub(crate) peers: crate::replicas::PeerBook,
     /// This router's reservation changes not yet taken for sharing (`None`: not sharing).
-    pub(crate) outbox: Option<Vec<crate::replicas::ReservationChange>>,
+    pub(crate) outbox: Option<crate::outbox::Outbox>,
 }
 
 impl Fleet {
     /// Queues a change of this router's reservations for its peers, when sharing.
-    pub(crate) fn share(&mut self, change: crate::replicas::ReservationChange) {
+    pub(crate) fn share(&mut self, change: crate::replicas::ReservationChange, now: Timestamp) {
         if let Some(outbox) = self.outbox.as_mut() {
-            outbox.push(change);
+            outbox.push(change, now);
         }
     }
 
@@ -369,14 +369,14 @@ impl Fleet {
     }
 
     /// Removes a worker; returns its slot and the requests that were in flight on it.
-    pub(crate) fn remove(&mut self, id: &WorkerId) -> Result<(WorkerSlot, Vec<RequestId>), CoreError> {
+    pub(crate) fn remove(&mut self, id: &WorkerId, now: Timestamp) -> Result<(WorkerSlot, Vec<RequestId>), CoreError> {
         let slot = self.slot_of(id)?;
         let mut state = self.workers[slot.index()].take().expect("by_id names live slots");
         self.by_id.remove(id);
         let dropped = state.ledger.drain();
         for req in &dropped {
             self.requests.remove(req);
-            self.share(crate::replicas::ReservationChange::Released { request: *req });
+            self.share(crate::replicas::ReservationChange::Released { request: *req }, now);
         }
         self.peers.forget_slot(slot);
         self.seeds.retain(|_, owner| *owner != slot);

@@ -18,7 +18,8 @@
 //!   `cache_aware` baseline; knobs with their bounds.
 //! - [`decision`]: decision records and reasons.
 //! - [`router`]: the object that ties them together behind one lock per concern.
-//! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own.
+//! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own;
+//!   [`outbox`]: when a replica publishes its changes (reservations at once, the rest batched).
 //!
 //! Time enters as [`Timestamp`] arguments and randomness as an RNG argument, so the gateway, the
 //! simulator and the tests run exactly this code.
@@ -66,6 +67,7 @@ pub mod index;
 pub mod kv_stream;
 pub mod ledger;
 pub mod load;
+pub mod outbox;
 pub mod policy;
 pub mod replicas;
 pub mod router;
@@ -82,6 +84,7 @@ pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, ReplicaId, RequestId, WorkerId, WorkerSlot};
 pub use index::{ApplyStats, KvIndex, KvState};
 pub use load::{CountEstimate, LoadSnapshot};
+pub use outbox::{BatchWindows, Outbox, OutboxWake};
 pub use policy::{Mode, PolicyConfig, PolicyName, PolicyPatch};
 pub use replicas::{HeldReservation, PeerApply, PeerStatus, ReservationChange};
 pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};

@@ -23,6 +23,7 @@ use crate::fleet::{Fleet, WorkerState};
 use crate::ids::{ReplicaId, RequestId, WorkerId, WorkerSlot};
 use crate::index::KvIndex;
 use crate::ledger::Work;
+use crate::outbox::{BatchWindows, Outbox, OutboxWake};
 use crate::router::Router;
 use crate::time::Timestamp;
 
@@ -205,20 +206,38 @@ fn apply_change(
 }
 
 impl Router {
-    /// Starts or stops queueing this router's reservation changes for its peers. Stopping drops the
-    /// queue.
+    /// Starts or stops queueing this router's reservation changes for its peers, batched with the
+    /// default [`BatchWindows`]. Stopping drops the queue.
     pub fn share_reservations(&self, on: bool) {
-        let mut fleet = self.fleet.lock();
-        if !on {
-            fleet.outbox = None;
-        } else if fleet.outbox.is_none() {
-            fleet.outbox = Some(Vec::new());
+        if on {
+            if self.fleet.lock().outbox.is_none() {
+                self.batch_reservation_changes(BatchWindows::default(), None);
+            }
+        } else {
+            self.fleet.lock().outbox = None;
         }
     }
 
-    /// The changes queued since the last call, oldest first (empty when not sharing).
+    /// Starts queueing this router's reservation changes for its peers (or restarts, dropping what
+    /// was queued), due by `windows`; `wake` is called whenever the next publication moves earlier.
+    pub fn batch_reservation_changes(&self, windows: BatchWindows, wake: Option<OutboxWake>) {
+        self.fleet.lock().outbox = Some(Outbox::new(windows, wake));
+    }
+
+    /// When the queued changes are due to be published; `None` when none are queued.
+    pub fn reservation_changes_due_at(&self) -> Option<Timestamp> {
+        self.fleet.lock().outbox.as_ref().and_then(Outbox::due_at)
+    }
+
+    /// The queued changes, oldest first, if they are due at `now` ([`crate::outbox`]); nothing
+    /// otherwise, or when not sharing.
+    pub fn take_due_reservation_changes(&self, now: Timestamp) -> Vec<ReservationChange> {
+        self.fleet.lock().outbox.as_mut().map(|o| o.take_due(now)).unwrap_or_default()
+    }
+
+    /// Every queued change, oldest first, due or not (empty when not sharing).
     pub fn take_reservation_changes(&self) -> Vec<ReservationChange> {
-        self.fleet.lock().outbox.as_mut().map(std::mem::take).unwrap_or_default()
+        self.fleet.lock().outbox.as_mut().map(Outbox::take_all).unwrap_or_default()
     }
 
     /// Every reservation this router holds now, for its periodic full state.
@@ -521,7 +540,7 @@ mod tests {
             exclude: &[WorkerId::new("b")],
         };
         r.decide(&req, ms(0), &mut rng).unwrap();
-        r.remove_worker(&WorkerId::new("a")).unwrap();
+        r.remove_worker(&WorkerId::new("a"), ms(0)).unwrap();
         assert_eq!(r.take_reservation_changes().last(), Some(&ReservationChange::Released { request: RequestId(5) }));
         assert_eq!(r.peers(ms(0))[0].reservations, 0);
         // A new worker in the reused slot starts with no peer reservation.

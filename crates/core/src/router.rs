@@ -128,11 +128,11 @@ impl Router {
         Ok(slot)
     }
 
-    /// Removes a worker, its blocks and its reservations. Returns the requests that were in flight on
-    /// it (their reservations are gone; later calls for them report `UnknownRequest`).
-    pub fn remove_worker(&self, id: &WorkerId) -> Result<Vec<RequestId>, CoreError> {
+    /// Removes a worker, its blocks and its reservations at `now`. Returns the requests that were in
+    /// flight on it (their reservations are gone; later calls for them report `UnknownRequest`).
+    pub fn remove_worker(&self, id: &WorkerId, now: Timestamp) -> Result<Vec<RequestId>, CoreError> {
         let mut fleet = self.fleet.lock();
-        let (slot, dropped) = fleet.remove(id)?;
+        let (slot, dropped) = fleet.remove(id, now)?;
         self.index.write().remove_worker(slot);
         Ok(dropped)
     }
@@ -252,7 +252,7 @@ impl Router {
                 w.calibrate_first_token(id, now);
             }
         }
-        fleet.share(ReservationChange::FirstToken { request: id });
+        fleet.share(ReservationChange::FirstToken { request: id }, now);
         Ok(())
     }
 
@@ -277,7 +277,7 @@ impl Router {
             w.calibrate_end(id, now, output_tokens);
             w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
-        fleet.share(ReservationChange::Released { request: id });
+        fleet.share(ReservationChange::Released { request: id }, now);
         Ok(())
     }
 
@@ -348,7 +348,7 @@ impl Router {
             fleet.turns += 1;
             if fleet.outbox.is_some() {
                 let worker = state_id(fleet, winner.slot);
-                fleet.share(ReservationChange::Reserved { request: req.id, worker, work });
+                fleet.share(ReservationChange::Reserved { request: req.id, worker, work }, now);
             }
         }
 

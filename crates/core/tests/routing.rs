@@ -146,7 +146,7 @@ fn owner_wins_on_cache_when_its_telemetry_is_trusted() {
 fn missing_load_telemetry_falls_back_to_load_only() {
     let router = fleet(3, PolicyConfig::projected(Mode::Enforce));
     let prefix = tokens("shared", 4096);
-    router.remove_worker(&wid(1)).unwrap();
+    router.remove_worker(&wid(1), Timestamp::ZERO).unwrap();
     router.add_worker(kvgate_core::WorkerConfig::new(wid(1)), KvState::Synced).unwrap();
     store(&router, &wid(1), &prefix);
     // A router-side reservation makes w1 the load-only loser.
@@ -296,7 +296,7 @@ fn observed_slow_prefill_raises_a_worker_projected_wait() {
 fn removing_a_worker_drops_its_reservations() {
     let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
     let d = decide(&router, &Req::new(&router, 1, &tokens("p", 100), 1), T0);
-    let dropped = router.remove_worker(&d.worker).unwrap();
+    let dropped = router.remove_worker(&d.worker, Timestamp::ZERO).unwrap();
     assert_eq!(dropped, vec![d.request]);
     assert_eq!(router.in_flight(), 0);
     assert!(router.first_token(d.request, T0).is_err());

@@ -169,7 +169,7 @@ impl AppState {
     pub fn remove_engine(&self, id: &WorkerId) -> Result<(), GatewayError> {
         let handle = self.engines.remove(id).ok_or_else(|| GatewayError::NotFound(format!("no worker named {id}")))?;
         handle.stop();
-        self.router.remove_worker(id).map_err(|e| GatewayError::NotFound(e.to_string()))?;
+        self.router.remove_worker(id, self.clock.now()).map_err(|e| GatewayError::NotFound(e.to_string()))?;
         Ok(())
     }
 

@@ -96,7 +96,9 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1)]
     replicas: usize,
     /// How replicas share reservations: none (each sees only its own until the next load report) or
-    /// nats (kvgate's [replicas] bus: 2 ms batches, 1 ms hop, full state every second).
+    /// nats (kvgate's [replicas] bus: reservations at once but at most one message per 2 ms, first
+    /// tokens and releases with the next message or within 20 ms, a 1 ms hop, full state every
+    /// second).
     #[arg(long, default_value = "none", value_parser = ["none", "nats"])]
     replica_sync: String,
     /// With --replica-sync nats: probability that a peer misses a bus message (0 to 1).
@@ -138,9 +140,14 @@ pub struct SimArgs {
     /// `calibrate`; off by default).
     #[arg(long)]
     calibrate: bool,
-    /// With --replica-sync nats: the batching window in milliseconds (kvgate's flush_ms).
+    /// With --replica-sync nats: the least milliseconds between two messages of a replica (kvgate's
+    /// flush_ms).
     #[arg(long, default_value_t = 2)]
     replica_bus_flush_ms: u64,
+    /// With --replica-sync nats: how many milliseconds a first token or a release may wait to ride
+    /// with the next reservation (kvgate's lazy_flush_ms).
+    #[arg(long, default_value_t = 20)]
+    replica_bus_lazy_flush_ms: u64,
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -247,6 +254,7 @@ fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: P
         loss: a.replica_bus_loss,
         delay: Duration::from_millis(a.replica_bus_delay_ms),
         flush: Duration::from_millis(a.replica_bus_flush_ms),
+        lazy_flush: Duration::from_millis(a.replica_bus_lazy_flush_ms),
         ..Default::default()
     });
     cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));

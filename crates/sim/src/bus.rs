@@ -1,8 +1,9 @@
 //! The replica bus as the simulator models it: what `kvgate serve` does with `[replicas]` over NATS.
 //!
-//! Each replica's router queues its reservation changes; a flush `flush` after the first change of
-//! a batch publishes them, and every peer applies them `delay` later, in order, unless the message
-//! is lost (probability `loss`, each message and peer on its own). Every `state_interval` every
+//! Each replica's router queues its reservation changes and publishes them by the core's batching
+//! rule (`kvgate_core::outbox`): a reservation at once, or `flush` after the previous message if
+//! that was sooner; first tokens and releases with the next message, at most `lazy_flush` later. Every peer applies a batch `delay` later, in
+//! order, unless the message is lost (probability `loss`, each message and peer on its own). Every `state_interval` every
 //! replica also publishes its whole state, which heals what was lost, as the gateway does. Only
 //! policies run by the core (`projected`, `cache_aware`, the baselines) keep reservations to share;
 //! the peers' reimplementations ignore the bus.
@@ -10,13 +11,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_core::{HeldReservation, ReservationChange};
+use kvgate_core::{BatchWindows, HeldReservation, ReservationChange};
 
 /// The bus between replicas.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BusModel {
-    /// Batching window: a change waits at most this long for its batch to be published.
+    /// The least time between two messages of a replica: a reservation waits only for the rest
+    /// of this gap.
     pub flush: Duration,
+    /// How long a first token or a release may wait to ride with the next reservation.
+    pub lazy_flush: Duration,
     /// Time from publish to a peer applying the message.
     pub delay: Duration,
     /// Probability that one peer misses one message.
@@ -26,11 +30,12 @@ pub struct BusModel {
 }
 
 impl Default for BusModel {
-    /// The gateway's defaults (`flush_ms` 2, `state_interval_ms` 1000) and a loopback-class NATS
-    /// hop of 1 ms, lossless.
+    /// The gateway's defaults (`flush_ms` 2, `lazy_flush_ms` 20, `state_interval_ms` 1000) and a
+    /// loopback-class NATS hop of 1 ms, lossless.
     fn default() -> Self {
         BusModel {
-            flush: Duration::from_millis(2),
+            flush: BatchWindows::SPACING,
+            lazy_flush: BatchWindows::LAZY,
             delay: Duration::from_millis(1),
             loss: 0.0,
             state_interval: Duration::from_secs(1),
@@ -39,6 +44,11 @@ impl Default for BusModel {
 }
 
 impl BusModel {
+    /// The core's batching windows for this bus.
+    pub fn windows(&self) -> BatchWindows {
+        BatchWindows { spacing: self.flush, lazy: self.lazy_flush }
+    }
+
     /// Checks the loss probability.
     pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.loss) {

@@ -147,8 +147,8 @@ struct Replica {
     id: kvgate_core::ReplicaId,
     /// Whether it shares its reservations (a bus is modelled and its policy keeps reservations).
     shares: bool,
-    /// A flush of its changes is scheduled.
-    flush_pending: bool,
+    /// When the flush of its changes is scheduled (an earlier deadline supersedes it).
+    flush_at: Option<Timestamp>,
 }
 
 /// One simulation run.
@@ -205,9 +205,10 @@ impl<'w> Simulation<'w> {
         let replicas = (0..cfg.replicas)
             .map(|r| {
                 let mut policy = policy::build(&cfg.policy, &fleet, &cfg.knobs)?;
-                let shares = cfg.replica_sync.is_some() && cfg.replicas > 1 && policy.share_reservations();
+                let shares =
+                    cfg.replicas > 1 && cfg.replica_sync.is_some_and(|bus| policy.share_reservations(bus.windows()));
                 let id = kvgate_core::ReplicaId::new(format!("replica{r}"));
-                Ok(Replica { policy, view: view.clone(), id, shares, flush_pending: false })
+                Ok(Replica { policy, view: view.clone(), id, shares, flush_at: None })
             })
             .collect::<Result<Vec<_>, SimError>>()?;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
@@ -357,7 +358,12 @@ impl<'w> Simulation<'w> {
             Ev::BusFlush(r) => self.bus_flush(r, now),
             Ev::BusState => {
                 for r in 0..self.replicas.len() {
-                    self.bus_flush(r, now);
+                    // Changes first, so the state a peer applies last is the newest.
+                    self.replicas[r].flush_at = None;
+                    let changes = self.replicas[r].policy.take_reservation_changes();
+                    if !changes.is_empty() {
+                        self.bus_publish(r, BusMessage::Changes(Arc::new(changes)), now);
+                    }
                     if self.replicas[r].shares {
                         let held = Arc::new(self.replicas[r].policy.held_reservations());
                         self.bus_publish(r, BusMessage::State(held), now);
@@ -576,22 +582,32 @@ impl<'w> Simulation<'w> {
         h.awaiting_new_events || polls_stale
     }
 
-    /// Replica `r`'s reservations changed: schedule the flush of its batch, if it shares them.
-    fn changed(&mut self, r: usize, now: Timestamp) {
-        let Some(bus) = self.cfg.replica_sync else { return };
+    /// Replica `r`'s reservations changed: schedule the flush of its batch when the core's outbox
+    /// says it is due, if it shares them and no earlier flush is scheduled.
+    fn changed(&mut self, r: usize, _now: Timestamp) {
         let replica = &mut self.replicas[r];
-        if replica.shares && !replica.flush_pending {
-            replica.flush_pending = true;
-            self.queue.push(now.saturating_add(bus.flush), Ev::BusFlush(r));
+        if !replica.shares {
+            return;
+        }
+        if let Some(due) = replica.policy.reservation_changes_due_at() {
+            if replica.flush_at.is_none_or(|at| due < at) {
+                replica.flush_at = Some(due);
+                self.queue.push(due, Ev::BusFlush(r));
+            }
         }
     }
 
+    /// Publishes replica `r`'s batch, unless this flush was superseded by an earlier one.
     fn bus_flush(&mut self, r: usize, now: Timestamp) {
-        self.replicas[r].flush_pending = false;
-        let changes = self.replicas[r].policy.take_reservation_changes();
+        if self.replicas[r].flush_at != Some(now) {
+            return;
+        }
+        self.replicas[r].flush_at = None;
+        let changes = self.replicas[r].policy.take_due_reservation_changes(now);
         if !changes.is_empty() {
             self.bus_publish(r, BusMessage::Changes(Arc::new(changes)), now);
         }
+        self.changed(r, now);
     }
 
     /// Delivers `message` from replica `from` to every other replica, each copy lost on its own.

@@ -18,7 +18,10 @@ mod worker;
 
 pub use limits::*;
 pub use overrides::Overrides;
-pub use replicas::{ReplicasConfig, DEFAULT_SUBJECT, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS};
+pub use replicas::{
+    ReplicasConfig, DEFAULT_SUBJECT, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS,
+    REPLICA_STATE_INTERVAL_MS,
+};
 pub use worker::{rank_endpoint, redact_url, EngineKind, WorkerSpec};
 
 /// Which tokenizer renders and tokenizes prompts.
@@ -563,14 +566,19 @@ mod tests {
 
 #[cfg(test)]
 mod doc_tests {
-    use super::{KNOBS, LIMIT_KNOBS, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS};
+    use super::{
+        KNOBS, LIMIT_KNOBS, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS, REPLICA_STATE_INTERVAL_MS,
+    };
 
     #[test]
     fn operations_doc_lists_every_gateway_knob_with_its_code_bounds() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
-        for k in
-            KNOBS.iter().chain(LIMIT_KNOBS).chain(&[REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_STATE_INTERVAL_MS])
-        {
+        for k in KNOBS.iter().chain(LIMIT_KNOBS).chain(&[
+            REPLICA_EXPIRY_MS,
+            REPLICA_FLUSH_MS,
+            REPLICA_LAZY_FLUSH_MS,
+            REPLICA_STATE_INTERVAL_MS,
+        ]) {
             let row = format!("| `{}` |", k.name);
             let line = doc
                 .lines()

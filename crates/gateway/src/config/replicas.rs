@@ -17,6 +17,7 @@ pub(super) struct ReplicasTable {
     pub(super) replica_id: Option<String>,
     pub(super) expiry_ms: Option<u64>,
     pub(super) flush_ms: Option<u64>,
+    pub(super) lazy_flush_ms: Option<u64>,
     pub(super) state_interval_ms: Option<u64>,
 }
 
@@ -37,7 +38,15 @@ pub const REPLICA_FLUSH_MS: Knob = Knob {
     min: 1.0,
     max: 1000.0,
     default: 2.0,
-    meaning: "reservation changes are batched into one bus message this often",
+    meaning: "the least time between two bus messages of this replica: a reservation is published at once unless a message went out less than this ago, then with the rest of its burst when the gap ends",
+};
+/// See [`ReplicasConfig::lazy_flush`].
+pub const REPLICA_LAZY_FLUSH_MS: Knob = Knob {
+    name: "lazy_flush_ms",
+    min: 1.0,
+    max: 1000.0,
+    default: 20.0,
+    meaning: "first tokens and releases wait at most this long to ride with the next reservation's message; they only lower the load peers count, so waiting errs on the safe side; must be at least flush_ms",
 };
 /// See [`ReplicasConfig::state_interval`].
 pub const REPLICA_STATE_INTERVAL_MS: Knob = Knob {
@@ -62,6 +71,8 @@ pub struct ReplicasConfig {
     pub expiry: Duration,
     /// See [`REPLICA_FLUSH_MS`].
     pub flush: Duration,
+    /// See [`REPLICA_LAZY_FLUSH_MS`].
+    pub lazy_flush: Duration,
     /// See [`REPLICA_STATE_INTERVAL_MS`].
     pub state_interval: Duration,
 }
@@ -103,7 +114,12 @@ impl ReplicasTable {
     /// Validates the table; `None` when no bus is configured (the replica decides alone).
     pub(super) fn build(&self) -> Result<Option<ReplicasConfig>, GatewayError> {
         let Some(bus) = self.bus.as_deref().map(str::trim).filter(|b| !b.is_empty()) else {
-            let set = self.subject.is_some() || self.replica_id.is_some() || self.expiry_ms.is_some();
+            let set = self.subject.is_some()
+                || self.replica_id.is_some()
+                || self.expiry_ms.is_some()
+                || self.flush_ms.is_some()
+                || self.lazy_flush_ms.is_some()
+                || self.state_interval_ms.is_some();
             if set {
                 return Err(GatewayError::Config(
                     "[replicas]: settings are given but no bus; set bus = \"nats://HOST:4222\"".into(),
@@ -140,14 +156,16 @@ impl ReplicasTable {
                 expiry.as_millis()
             )));
         }
-        Ok(Some(ReplicasConfig {
-            bus: bus.to_owned(),
-            subject,
-            replica_id,
-            expiry,
-            flush: millis(REPLICA_FLUSH_MS, self.flush_ms)?,
-            state_interval,
-        }))
+        let flush = millis(REPLICA_FLUSH_MS, self.flush_ms)?;
+        let lazy_flush = millis(REPLICA_LAZY_FLUSH_MS, self.lazy_flush_ms)?;
+        if lazy_flush < flush {
+            return Err(GatewayError::Config(format!(
+                "[replicas] lazy_flush_ms {} must be at least flush_ms {}: first tokens and releases are never more urgent than reservations",
+                lazy_flush.as_millis(),
+                flush.as_millis()
+            )));
+        }
+        Ok(Some(ReplicasConfig { bus: bus.to_owned(), subject, replica_id, expiry, flush, lazy_flush, state_interval }))
     }
 }
 
@@ -165,6 +183,7 @@ mod tests {
         let c = table(Some("nats://127.0.0.1:4222")).build().unwrap().unwrap();
         assert_eq!(c.subject, DEFAULT_SUBJECT);
         assert_eq!((c.expiry, c.state_interval), (Duration::from_secs(5), Duration::from_secs(1)));
+        assert_eq!((c.flush, c.lazy_flush), (Duration::from_millis(2), Duration::from_millis(20)));
         let other = table(Some("nats://127.0.0.1:4222")).build().unwrap().unwrap();
         assert_ne!(c.replica_id, other.replica_id, "two replicas started alike still differ");
     }
@@ -184,5 +203,7 @@ mod tests {
         assert!(err(ReplicasTable { expiry_ms: Some(10), ..table(Some("nats://h:1")) }).contains("expiry_ms"));
         let e = err(ReplicasTable { expiry_ms: Some(1000), state_interval_ms: Some(600), ..table(Some("nats://h:1")) });
         assert!(e.contains("under half"), "{e}");
+        let e = err(ReplicasTable { flush_ms: Some(10), lazy_flush_ms: Some(5), ..table(Some("nats://h:1")) });
+        assert!(e.contains("lazy_flush_ms 5 must be at least flush_ms 10"), "{e}");
     }
 }

@@ -1,11 +1,14 @@
 //! Several gateway replicas that decide as one: every replica shares its reservations with the
 //! others over NATS, and scores theirs like its own (`kvgate_core::replicas`).
 //!
-//! One background task per replica. Every `flush_ms` it publishes the reservation changes the router
-//! queued (one message per batch); every `state_interval_ms` it publishes its whole state, which
-//! heals what a lossy bus dropped and doubles as its heartbeat, and expires peers that went silent.
-//! Messages from peers are applied as they arrive. The decision path only appends to the router's
-//! queue; it never waits on the bus.
+//! One background task per replica. It publishes the reservation changes the router queued when the
+//! core's batching rule says they are due (`kvgate_core::outbox`: a reservation at once, but at
+//! most one message per `flush_ms`; first tokens and releases with the next message, at most
+//! `lazy_flush_ms` later), one message per batch, and sleeps while nothing is due. Every
+//! `state_interval_ms` it publishes its whole state, which heals what a lossy bus dropped and doubles
+//! as its heartbeat, and expires peers that went silent. Messages from peers are applied as they
+//! arrive. The decision path only appends to the router's queue (and signals the task when the next
+//! message moves earlier); it never waits on the bus.
 //!
 //! Without the bus (unreachable at start, lost later) the replica keeps routing on its own ledger,
 //! says so (`GET /admin/replicas`, `kvgate_replica_bus_connected`, a log line), lets its peers'
@@ -17,11 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::connection::State as BusState;
-use futures_util::StreamExt;
-use kvgate_core::{PeerApply, PeerStatus, ReplicaId};
+use futures_util::{FutureExt, StreamExt};
+use kvgate_core::{BatchWindows, PeerApply, PeerStatus, ReplicaId};
 use parking_lot::Mutex;
 use serde::Serialize;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::config::{redact_url, ReplicasConfig};
 use crate::metrics::replicas::ReplicaMetrics;
@@ -143,8 +146,13 @@ impl ReplicaTask {
 pub fn start(state: &Arc<AppState>) -> Option<ReplicaTask> {
     let config = state.replicas.config.clone()?;
     let (stop, stopped) = oneshot::channel();
-    state.router.share_reservations(true);
-    let task = tokio::spawn(run(state.clone(), config, stopped));
+    let due_earlier = Arc::new(Notify::new());
+    let wake = due_earlier.clone();
+    state.router.batch_reservation_changes(
+        BatchWindows { spacing: config.flush, lazy: config.lazy_flush },
+        Some(Arc::new(move || wake.notify_one())),
+    );
+    let task = tokio::spawn(run(state.clone(), config, stopped, due_earlier));
     Some(ReplicaTask { stop, task })
 }
 
@@ -153,7 +161,12 @@ fn reconnect_delay(attempts: usize) -> Duration {
     Duration::from_millis((100u64 << attempts.min(5)).min(2000))
 }
 
-async fn run(state: Arc<AppState>, config: ReplicasConfig, mut stopped: oneshot::Receiver<()>) {
+async fn run(
+    state: Arc<AppState>,
+    config: ReplicasConfig,
+    mut stopped: oneshot::Receiver<()>,
+    due_earlier: Arc<Notify>,
+) {
     let replicas = &state.replicas;
     let on_event = {
         let state = state.clone();
@@ -165,6 +178,9 @@ async fn run(state: Arc<AppState>, config: ReplicasConfig, mut stopped: oneshot:
     let options = async_nats::ConnectOptions::new()
         .name(format!("kvgate {}", config.replica_id))
         .retry_on_initial_connect()
+        // The server would send every message back to its sender: one wake-up and one decode per
+        // message for nothing. Echoes that still arrive (a bridged bus) are recognised and ignored.
+        .no_echo()
         .max_reconnects(None)
         .connection_timeout(Duration::from_secs(2))
         .reconnect_delay_callback(reconnect_delay)
@@ -194,20 +210,36 @@ async fn run(state: Arc<AppState>, config: ReplicasConfig, mut stopped: oneshot:
     tracing::info!(replica = %config.replica_id, subject = %config.subject, "sharing reservations with the other replicas");
     let me = ReplicaId::new(&config.replica_id);
     let mut sender = Sender { client: &client, subject: &config.subject, me: &me, instance: replicas.instance, seq: 0 };
-    let mut flush = tokio::time::interval(config.flush);
-    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // One timer, re-armed only when the outbox's deadline changes: no wake-ups while nothing is queued.
+    let flush = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(flush);
+    let mut armed = None;
+    // Only this task's own steps and the outbox's wake move the deadline; a peer's message does not.
+    let mut recheck = true;
     let mut heartbeat = tokio::time::interval(config.state_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
+        if std::mem::take(&mut recheck) {
+            let due = state.router.reservation_changes_due_at();
+            if due != armed {
+                if let Some(at) = due {
+                    flush.as_mut().reset(tokio::time::Instant::from_std(state.clock.instant_at(at)));
+                }
+                armed = due;
+            }
+        }
         tokio::select! {
             _ = &mut stopped => break,
-            _ = flush.tick() => {
-                let changes = state.router.take_reservation_changes();
+            _ = due_earlier.notified() => recheck = true,
+            _ = &mut flush, if armed.is_some() => {
+                (armed, recheck) = (None, true);
+                let changes = state.router.take_due_reservation_changes(state.clock.now());
                 if !changes.is_empty() {
                     sender.send(&state, Body::Changes(changes)).await;
                 }
             }
             _ = heartbeat.tick() => {
+                recheck = true;
                 // Changes first, so the state a peer applies last is the newest.
                 let changes = state.router.take_reservation_changes();
                 if !changes.is_empty() {
@@ -225,7 +257,13 @@ async fn run(state: Arc<AppState>, config: ReplicasConfig, mut stopped: oneshot:
                 replicas.metrics.peers.set(state.router.peers(state.clock.now()).len() as i64);
             }
             message = subscription.next() => match message {
-                Some(m) => receive(&state, &me, &m.payload),
+                Some(m) => {
+                    receive(&state, &me, &m.payload);
+                    // What else has arrived is applied at once, without going round the loop.
+                    while let Some(Some(m)) = subscription.next().now_or_never() {
+                        receive(&state, &me, &m.payload);
+                    }
+                }
                 None => {
                     tracing::error!("replica bus: the subscription ended; this replica decides alone");
                     break;
@@ -317,6 +355,7 @@ impl Sender<'_> {
 fn receive(state: &AppState, me: &ReplicaId, payload: &[u8]) {
     let replicas = &state.replicas;
     let now = state.clock.now();
+    let mut frees_capacity = false;
     let outcome = match wire::decode(payload) {
         Decoded::Garbage(why) => {
             let n = bump(&replicas.counters, |c| &mut c.garbage);
@@ -345,6 +384,11 @@ fn receive(state: &AppState, me: &ReplicaId, payload: &[u8]) {
             }
         }
         Decoded::Message(env) => {
+            // Only a message that can end or shrink a reservation may free capacity.
+            frees_capacity = match &env.body {
+                Body::Changes(changes) => changes.iter().any(|c| !c.is_urgent()),
+                Body::State { .. } | Body::Goodbye => true,
+            };
             let applied = match &env.body {
                 Body::Changes(changes) => Some(state.router.apply_peer_changes(&env.replica, changes, now)),
                 Body::State { workers, held } => {
@@ -372,7 +416,7 @@ fn receive(state: &AppState, me: &ReplicaId, payload: &[u8]) {
         }
     };
     replicas.metrics.messages("received", outcome).inc();
-    if outcome == "ok" {
+    if outcome == "ok" && frees_capacity {
         // A peer's release may have freed the capacity a queued request waits for.
         state.capacity.notify_waiters();
     }

@@ -2,8 +2,8 @@
 //! decision code as the gateway, fed by the simulator's modelled telemetry and event paths.
 
 use kvgate_core::{
-    HeldReservation, KvState, LoadSnapshot, PolicyConfig, ReplicaId, RequestId, ReservationChange, RouteRequest,
-    Router, Timestamp, WorkerConfig, WorkerId,
+    BatchWindows, HeldReservation, KvState, LoadSnapshot, PolicyConfig, ReplicaId, RequestId, ReservationChange,
+    RouteRequest, Router, Timestamp, WorkerConfig, WorkerId,
 };
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
@@ -111,9 +111,17 @@ impl SimPolicy for CorePolicy {
         self.true_state
     }
 
-    fn share_reservations(&mut self) -> bool {
-        self.router.share_reservations(true);
+    fn share_reservations(&mut self, windows: BatchWindows) -> bool {
+        self.router.batch_reservation_changes(windows, None);
         true
+    }
+
+    fn reservation_changes_due_at(&self) -> Option<Timestamp> {
+        self.router.reservation_changes_due_at()
+    }
+
+    fn take_due_reservation_changes(&mut self, now: Timestamp) -> Vec<ReservationChange> {
+        self.router.take_due_reservation_changes(now)
     }
 
     fn take_reservation_changes(&mut self) -> Vec<ReservationChange> {

@@ -17,7 +17,7 @@ pub mod exact;
 pub mod simple;
 
 use kvgate_core::{
-    BlockKey, HeldReservation, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, ReplicaId, RequestId,
+    BatchWindows, BlockKey, HeldReservation, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, ReplicaId, RequestId,
     ReservationChange, Timestamp,
 };
 use kvgate_protocol::KvEvent;
@@ -127,12 +127,20 @@ pub trait SimPolicy {
     fn planned_rates(&self, _worker: usize) -> Option<(f64, f64)> {
         None
     }
-    /// Starts queueing reservation changes for the replica bus; false if the policy keeps no
-    /// reservations to share.
-    fn share_reservations(&mut self) -> bool {
+    /// Starts queueing reservation changes for the replica bus, batched by `windows`; false if the
+    /// policy keeps no reservations to share.
+    fn share_reservations(&mut self, _windows: BatchWindows) -> bool {
         false
     }
-    /// The reservation changes queued since the last call.
+    /// When the queued reservation changes are due to be published.
+    fn reservation_changes_due_at(&self) -> Option<Timestamp> {
+        None
+    }
+    /// The queued reservation changes, if they are due at `now`.
+    fn take_due_reservation_changes(&mut self, _now: Timestamp) -> Vec<ReservationChange> {
+        Vec::new()
+    }
+    /// Every queued reservation change, due or not.
     fn take_reservation_changes(&mut self) -> Vec<ReservationChange> {
         Vec::new()
     }

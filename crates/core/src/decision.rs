@@ -97,6 +97,9 @@ pub struct ScoreTerms {
     pub worker: WorkerId,
     /// `wait_s + decode_s + prefill_s + barrier_s`: seconds until this request's prefill would end.
     pub projected_s: f64,
+    /// What `enforce` minimises: `projected_s` plus `(prefill_weight − 1) × prefill_s`, the time
+    /// this request's uncached prefill keeps a busy fleet from the requests after it.
+    pub cost_s: f64,
     /// Prompt tokens credited as cached on this worker (0 unless its telemetry is trusted).
     pub cached_tokens: u64,
     /// Queued prefill work (engine-reported plus reserved) over prefill throughput.
@@ -146,6 +149,9 @@ pub struct Decision {
     pub prompt_tokens: u64,
     /// Prompt tokens credited as cached on the chosen worker.
     pub cached_tokens: u64,
+    /// The weight of uncached prefill in `cost_s`: `1 / (1 − fleet prefill load)`, bounded by
+    /// `prefill_weight_max`; 1 on an idle fleet.
+    pub prefill_weight: f64,
     /// Score terms: every eligible worker when there are at most [`MAX_SCORES`], else the
     /// lowest-scoring ones plus the chosen worker and the load-only winner.
     pub scores: Vec<ScoreTerms>,

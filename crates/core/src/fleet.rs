@@ -219,6 +219,11 @@ impl WorkerState {
         }
     }
 
+    /// The prefill rate the router plans with (configured, or calibrated).
+    pub(crate) fn prefill_rate(&self) -> f64 {
+        self.prefill.effective()
+    }
+
     /// The latest report plus the ledger's adjustment, clamped at zero.
     pub(crate) fn load(&self) -> WorkerLoad {
         let s = self.snapshot.unwrap_or_default();
@@ -247,7 +252,7 @@ impl WorkerState {
             kv_capacity_tokens: capacity,
             max_running_requests: self.config.max_running_requests,
             chunk_tokens: self.config.chunk_tokens,
-            prefill_tps: self.prefill.effective(),
+            prefill_tps: self.prefill_rate(),
             decode_tps: self.decode.effective(),
         }
     }
@@ -334,6 +339,8 @@ pub(crate) struct Fleet {
     pub(crate) turns: u64,
     /// Peer replicas and the reservations they shared.
     pub(crate) peers: crate::replicas::PeerBook,
+    /// The prefill sent to the fleet, by this router and its peers: the fleet's load.
+    pub(crate) demand: crate::load::PrefillDemand,
     /// This router's reservation changes not yet taken for sharing (`None`: not sharing).
     pub(crate) outbox: Option<crate::outbox::Outbox>,
 }

@@ -152,6 +152,55 @@ impl Throughput {
     }
 }
 
+/// Time constant of the fleet's prefill demand: long enough to smooth Poisson noise and a trace's
+/// bursts, short enough to follow a change of load within a minute.
+pub const DEMAND_WINDOW: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The prefill the fleet is being sent, in tokens per second: an exponentially decayed sum of every
+/// decision's uncached prompt tokens (this router's and, when replicas share reservations, its
+/// peers'), over [`DEMAND_WINDOW`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct PrefillDemand {
+    sum: f64,
+    at: Timestamp,
+}
+
+impl PrefillDemand {
+    fn decayed(&self, now: Timestamp) -> f64 {
+        let dt = now.saturating_since(self.at).as_secs_f64();
+        self.sum * (-dt / DEMAND_WINDOW.as_secs_f64()).exp()
+    }
+
+    /// Counts `tokens` of prefill sent at `now`. An observation older than the last is counted as
+    /// of the last (peers' clocks and this router's are never compared).
+    pub fn add(&mut self, tokens: u64, now: Timestamp) {
+        let now = now.max(self.at);
+        self.sum = self.decayed(now) + tokens as f64;
+        self.at = now;
+    }
+
+    /// Tokens per second at `now`: in a steady stream of `r` tokens a second the decayed sum is
+    /// `r × window`.
+    pub fn rate(&self, now: Timestamp) -> f64 {
+        self.decayed(now.max(self.at)) / DEMAND_WINDOW.as_secs_f64()
+    }
+}
+
+/// How many seconds of the fleet's time one second of new prefill costs when the fleet's prefill
+/// capacity is `load` busy (demand over capacity): `1 / (1 − load)`, at most `max`.
+///
+/// Work added to a server at utilisation ρ keeps it busy `1 / (1 − ρ)` times as long, because what
+/// arrives meanwhile queues behind it (the mean M/G/1 busy period; Kleinrock, *Queueing Systems* vol. 1,
+/// ch. 5): a prefill a cached owner would have saved is paid by the requests that come after it.
+/// On an idle fleet the factor is 1 and the score is the request's own projected seconds.
+pub fn prefill_weight(load: f64, max: f64) -> f64 {
+    let max = max.max(1.0);
+    if !load.is_finite() || load >= 1.0 {
+        return max;
+    }
+    (1.0 / (1.0 - load.max(0.0))).min(max)
+}
+
 /// A worker's decode rate, calibrated from inter-token times against batch size.
 ///
 /// An engine step takes about `base + per_sequence × n` seconds with `n` sequences in the batch
@@ -234,6 +283,35 @@ mod tests {
         d.observe_step(f64::NAN, 1.0);
         d.observe_step(0.0, 1.0);
         assert_eq!(d.effective(), 3_000.0);
+    }
+
+    #[test]
+    fn demand_is_the_decayed_rate_of_prefill_sent() {
+        let mut d = PrefillDemand::default();
+        // 1,000 tokens every 100 ms for two minutes: 10,000 tokens a second.
+        for i in 0..1200 {
+            d.add(1_000, Timestamp::from_millis(i * 100));
+        }
+        let rate = d.rate(Timestamp::from_millis(119_900));
+        assert!((rate - 10_000.0).abs() < 300.0, "{rate}");
+        // A window later with nothing sent, it has decayed by e.
+        let later = d.rate(Timestamp::from_millis(119_900 + DEMAND_WINDOW.as_millis() as u64));
+        assert!((later * std::f64::consts::E - rate).abs() < 1.0, "{later}");
+        // An observation from the past counts as of now, and never makes the rate go backwards in time.
+        d.add(500, Timestamp::from_millis(10));
+        assert!(d.rate(Timestamp::from_millis(119_900)) > rate);
+    }
+
+    #[test]
+    fn the_prefill_weight_grows_with_the_fleet_load_and_stops_at_its_bound() {
+        assert_eq!(prefill_weight(0.0, 10.0), 1.0);
+        assert!((prefill_weight(0.5, 10.0) - 2.0).abs() < 1e-12);
+        assert!((prefill_weight(0.75, 10.0) - 4.0).abs() < 1e-12);
+        assert_eq!(prefill_weight(0.95, 10.0), 10.0);
+        assert_eq!(prefill_weight(3.0, 10.0), 10.0);
+        assert_eq!(prefill_weight(f64::NAN, 10.0), 10.0);
+        assert_eq!(prefill_weight(-1.0, 10.0), 1.0);
+        assert_eq!(prefill_weight(0.9, 1.0), 1.0, "a bound of 1 turns the weighting off");
     }
 
     #[test]

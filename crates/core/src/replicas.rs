@@ -23,6 +23,7 @@ use crate::fleet::{Fleet, WorkerState};
 use crate::ids::{ReplicaId, RequestId, WorkerId, WorkerSlot};
 use crate::index::KvIndex;
 use crate::ledger::Work;
+use crate::load::PrefillDemand;
 use crate::outbox::{BatchWindows, Outbox, OutboxWake};
 use crate::router::Router;
 use crate::time::Timestamp;
@@ -146,16 +147,23 @@ impl PeerBook {
     }
 }
 
+/// What a peer's change touches besides the peer's own entry.
+struct PeerTargets<'a> {
+    workers: &'a mut [Option<WorkerState>],
+    by_id: &'a FxHashMap<WorkerId, WorkerSlot>,
+    demand: &'a mut PrefillDemand,
+    index: &'a KvIndex,
+}
+
 /// What one change does to the peer's reservations and the workers' peer ledgers.
 fn apply_change(
     peer: &mut Peer,
     next_local: &mut u64,
-    workers: &mut [Option<WorkerState>],
-    by_id: &FxHashMap<WorkerId, WorkerSlot>,
-    index: &KvIndex,
+    fleet: PeerTargets<'_>,
     change: &ReservationChange,
     now: Timestamp,
 ) -> PeerApply {
+    let PeerTargets { workers, by_id, demand, index } = fleet;
     let mut stats = PeerApply::default();
     match change {
         ReservationChange::Reserved { request, worker, work } => {
@@ -175,6 +183,8 @@ fn apply_change(
             let local = RequestId(*next_local);
             let w = workers[slot.index()].as_mut().expect("by_id names live slots");
             w.peer_ledger.reserve(local, *work, now);
+            // The peer's prefill loads the fleet as this router's own does.
+            demand.add(work.prefill_tokens, now);
             // A peer's dispatch waits for the engine's events as this router's own do, or a
             // worker served mostly by peers would look quiet and lose its credit.
             w.note_dispatch(now, index.last_event_at(slot));
@@ -262,11 +272,12 @@ impl Router {
     pub fn apply_peer_changes(&self, peer: &ReplicaId, changes: &[ReservationChange], now: Timestamp) -> PeerApply {
         let mut guard = self.fleet.lock();
         let index = self.index.read();
-        let Fleet { workers, by_id, peers, .. } = &mut *guard;
+        let Fleet { workers, by_id, peers, demand, .. } = &mut *guard;
         let (p, next_local) = peers.heard(peer, now);
         let mut stats = PeerApply::default();
         for change in changes {
-            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, change, now));
+            let targets = PeerTargets { workers: workers.as_mut_slice(), by_id, demand, index: &index };
+            stats.merge(apply_change(p, next_local, targets, change, now));
         }
         stats
     }
@@ -276,7 +287,7 @@ impl Router {
     pub fn apply_peer_state(&self, peer: &ReplicaId, held: &[HeldReservation], now: Timestamp) -> PeerApply {
         let mut guard = self.fleet.lock();
         let index = self.index.read();
-        let Fleet { workers, by_id, peers, .. } = &mut *guard;
+        let Fleet { workers, by_id, peers, demand, .. } = &mut *guard;
         let (p, next_local) = peers.heard(peer, now);
         let mut stats = PeerApply::default();
         let listed: FxHashMap<RequestId, &HeldReservation> = held.iter().map(|h| (h.request, h)).collect();
@@ -287,26 +298,21 @@ impl Router {
             .map(|(id, _)| *id)
             .collect();
         for request in gone {
-            stats.merge(apply_change(
-                p,
-                next_local,
-                workers.as_mut_slice(),
-                by_id,
-                &index,
-                &ReservationChange::Released { request },
-                now,
-            ));
+            let targets = PeerTargets { workers: workers.as_mut_slice(), by_id, demand, index: &index };
+            stats.merge(apply_change(p, next_local, targets, &ReservationChange::Released { request }, now));
         }
         for h in held {
             let change = ReservationChange::Reserved { request: h.request, worker: h.worker.clone(), work: h.work };
-            stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, &change, now));
+            let targets = PeerTargets { workers: workers.as_mut_slice(), by_id, demand, index: &index };
+            stats.merge(apply_change(p, next_local, targets, &change, now));
             if h.decoding {
                 let ledger_says_decoding = p.requests.get(&h.request).is_some_and(|r| {
                     workers[r.slot.index()].as_ref().is_some_and(|w| w.peer_ledger.is_decoding(r.local))
                 });
                 if !ledger_says_decoding {
                     let change = ReservationChange::FirstToken { request: h.request };
-                    stats.merge(apply_change(p, next_local, workers.as_mut_slice(), by_id, &index, &change, now));
+                    let targets = PeerTargets { workers: workers.as_mut_slice(), by_id, demand, index: &index };
+                    stats.merge(apply_change(p, next_local, targets, &change, now));
                 }
             }
         }

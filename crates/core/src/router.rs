@@ -315,7 +315,8 @@ impl Router {
         if fleet.requests.contains_key(&req.id) {
             return Err(DecideError::DuplicateRequest(req.id));
         }
-        let scored = self.score_all(fleet, req, now, &cfg);
+        let prefill_weight = fleet_prefill_weight(fleet, now, &cfg);
+        let scored = self.score_all(fleet, req, now, &cfg, prefill_weight);
         let load_winner =
             least_load::pick(scored.len(), |i| &scored[i].terms, draw).ok_or(DecideError::NoEligibleWorker)?;
 
@@ -344,6 +345,7 @@ impl Router {
             }
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
+            fleet.demand.add(work.prefill_tokens, now);
             fleet.requests.insert(req.id, winner.slot);
             fleet.turns += 1;
             if fleet.outbox.is_some() {
@@ -364,11 +366,19 @@ impl Router {
             enforce_reason: enforce.map(|(_, r)| r),
             prompt_tokens: req.prompt_tokens,
             cached_tokens: winner.cached_tokens,
+            prefill_weight,
             scores: score_list(&scored, chosen, load_winner, id_of),
         })
     }
 
-    fn score_all(&self, fleet: &mut Fleet, req: &RouteRequest<'_>, now: Timestamp, cfg: &PolicyConfig) -> Vec<Scored> {
+    fn score_all(
+        &self,
+        fleet: &mut Fleet,
+        req: &RouteRequest<'_>,
+        now: Timestamp,
+        cfg: &PolicyConfig,
+        prefill_weight: f64,
+    ) -> Vec<Scored> {
         let index = self.index.read();
         let mut overlaps = Vec::new();
         index.overlaps(req.keys, &mut overlaps);
@@ -410,12 +420,29 @@ impl Router {
             let cached_tokens =
                 if withheld.is_none() { reusable_tokens(raw_blocks, req.prompt_tokens, self.block_size) } else { 0 };
             let load = w.load();
-            let terms = projected::score(&load, req.prompt_tokens, cached_tokens, req.max_tokens, cfg);
+            let ask = projected::Ask {
+                prompt_tokens: req.prompt_tokens,
+                cached_tokens,
+                max_tokens: req.max_tokens,
+                prefill_weight,
+            };
+            let terms = projected::score(&load, ask, cfg);
             scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
         }
         fleet.scratch_overlap = raw;
         scored
     }
+}
+
+/// The weight of uncached prefill on the fleet now: the prefill sent lately over the eligible
+/// workers' prefill capacity (see [`crate::load::prefill_weight`]).
+fn fleet_prefill_weight(fleet: &Fleet, now: Timestamp, cfg: &PolicyConfig) -> f64 {
+    if cfg.prefill_weight_max <= 1.0 {
+        return 1.0;
+    }
+    let capacity: f64 = fleet.workers.iter().flatten().filter(|w| w.eligible).map(|w| w.prefill_rate()).sum();
+    let load = if capacity > 0.0 { fleet.demand.rate(now) / capacity } else { 0.0 };
+    crate::load::prefill_weight(load, cfg.prefill_weight_max)
 }
 
 fn state_id(fleet: &Fleet, slot: WorkerSlot) -> WorkerId {
@@ -438,8 +465,7 @@ fn score_list(
     load_winner: usize,
     id_of: impl Fn(usize) -> WorkerId,
 ) -> Vec<ScoreTerms> {
-    let by_score =
-        |a: &usize, b: &usize| scored[*a].terms.projected_s.total_cmp(&scored[*b].terms.projected_s).then(a.cmp(b));
+    let by_score = |a: &usize, b: &usize| scored[*a].terms.cost_s.total_cmp(&scored[*b].terms.cost_s).then(a.cmp(b));
     let mut order: Vec<usize> = (0..scored.len()).collect();
     if order.len() > MAX_SCORES {
         // Only the best few are listed: select them in linear time, then sort just those.
@@ -461,6 +487,7 @@ fn score_list(
             ScoreTerms {
                 worker: id_of(i),
                 projected_s: s.terms.projected_s,
+                cost_s: s.terms.cost_s,
                 cached_tokens: s.cached_tokens,
                 wait_s: s.terms.wait_s,
                 decode_s: s.terms.decode_s,

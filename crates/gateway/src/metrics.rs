@@ -58,6 +58,8 @@ pub struct Metrics {
     pub in_flight: Family<EngineLabel, Gauge>,
     /// Projected seconds of each engine at its latest scoring.
     pub projected_seconds: Family<EngineLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// The weight of uncached prefill at the latest decision: 1 / (1 − fleet prefill load).
+    pub prefill_weight: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Requests retried on another engine before any byte reached the client.
     pub retries: Counter,
     /// KV events applied, by engine.
@@ -125,6 +127,12 @@ impl Metrics {
             "Projected seconds per engine at its latest scoring",
             projected_seconds.clone(),
         );
+        let prefill_weight = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "prefill_weight",
+            "Weight of uncached prefill at the latest decision: 1 / (1 - the fleet's prefill load), bounded by prefill_weight_max",
+            prefill_weight.clone(),
+        );
         let retries = Counter::default();
         registry.register(
             "retries",
@@ -185,6 +193,7 @@ impl Metrics {
             upstream_duration,
             in_flight,
             projected_seconds,
+            prefill_weight,
             retries,
             kv_events,
             kv_gaps,

@@ -127,6 +127,7 @@ fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
             _ => {}
         }
     }
+    state.metrics.prefill_weight.set(d.prefill_weight);
     {
         let engines = state.engines.read();
         for s in &d.scores {

@@ -158,6 +158,7 @@ struct DecisionOut {
     reason: String,
     load_only_worker: WorkerId,
     enforce_worker: Option<WorkerId>,
+    prefill_weight: f64,
     scores: Vec<ScoreOut>,
 }
 
@@ -165,6 +166,7 @@ struct DecisionOut {
 struct ScoreOut {
     worker: WorkerId,
     projected_s: f64,
+    cost_s: f64,
     cached_tokens: u64,
     wait_s: f64,
     decode_s: f64,
@@ -181,12 +183,14 @@ impl From<Decision> for DecisionOut {
             reason: d.reason.as_str().to_owned(),
             load_only_worker: d.load_only_worker,
             enforce_worker: d.enforce_worker,
+            prefill_weight: d.prefill_weight,
             scores: d
                 .scores
                 .into_iter()
                 .map(|s| ScoreOut {
                     worker: s.worker,
                     projected_s: s.projected_s,
+                    cost_s: s.cost_s,
                     cached_tokens: s.cached_tokens,
                     wait_s: s.wait_s,
                     decode_s: s.decode_s,

@@ -83,6 +83,10 @@ pub struct SimArgs {
     /// Projected policy: escape when the cache winner has this many more waiting requests.
     #[arg(long)]
     escape_waiting: Option<u64>,
+    /// Projected policy: bound of the weight on uncached prefill, 1 / (1 − fleet prefill load)
+    /// [default: 10; 1 weighs prefill as the request's own seconds only].
+    #[arg(long)]
+    prefill_weight_max: Option<f64>,
     /// Router admission: reject above this projected wait in seconds (0 disables).
     #[arg(long, default_value_t = 30.0)]
     admission_wait_s: f64,
@@ -311,6 +315,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     let mut knobs = PolicyConfig::default();
     knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
+    knobs.prefill_weight_max = a.prefill_weight_max.unwrap_or(knobs.prefill_weight_max);
     knobs.calibrate = a.calibrate;
     knobs.validate()?;
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {

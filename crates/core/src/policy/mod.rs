@@ -223,6 +223,14 @@ pub const KV_BARRIER_SCALE_S: Knob = Knob {
     default: 2.0,
     meaning: "barrier seconds = scale × (usage − threshold) / (1 − usage); a full cache costs KV_BARRIER_MAX_S",
 };
+/// Bound of the weight on uncached prefill (see [`crate::load::prefill_weight`]).
+pub const PREFILL_WEIGHT_MAX: Knob = Knob {
+    name: "prefill_weight_max",
+    min: 1.0,
+    max: 100.0,
+    default: 10.0,
+    meaning: "enforce weighs uncached prefill seconds by 1 / (1 − fleet prefill load), the time the work keeps the fleet busy while later requests queue behind it, up to this factor; 1 turns the weighting off",
+};
 /// SMG cache_aware absolute balance gate.
 pub const BALANCE_ABS: Knob = Knob {
     name: "balance_abs",
@@ -249,6 +257,7 @@ pub const KNOBS: &[Knob] = &[
     KV_STALE_AFTER_MS,
     KV_BARRIER_THRESHOLD,
     KV_BARRIER_SCALE_S,
+    PREFILL_WEIGHT_MAX,
     BALANCE_ABS,
     BALANCE_REL,
 ];
@@ -276,6 +285,8 @@ pub struct PolicyConfig {
     pub kv_barrier_threshold: f64,
     /// See [`KV_BARRIER_SCALE_S`].
     pub kv_barrier_scale_s: f64,
+    /// See [`PREFILL_WEIGHT_MAX`].
+    pub prefill_weight_max: f64,
     /// See [`BALANCE_ABS`].
     pub balance_abs: u64,
     /// See [`BALANCE_REL`].
@@ -284,7 +295,7 @@ pub struct PolicyConfig {
     pub distribution_seeding: bool,
     /// Calibrate each worker's prefill and decode rates from observed first tokens and inter-token
     /// times (see [`crate::load::Throughput`]). Off by default: on a fleet configured right it
-    /// costs the simulator's multi-prefix TTFT p90 about 10% (docs/routing.md).
+    /// costs the simulator's multi-prefix TTFT p90 20–50% (docs/routing.md).
     pub calibrate: bool,
 }
 
@@ -300,6 +311,7 @@ impl PolicyConfig {
             kv_stale_after_ms: KV_STALE_AFTER_MS.default as u64,
             kv_barrier_threshold: KV_BARRIER_THRESHOLD.default,
             kv_barrier_scale_s: KV_BARRIER_SCALE_S.default,
+            prefill_weight_max: PREFILL_WEIGHT_MAX.default,
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
             distribution_seeding: false,
@@ -320,6 +332,7 @@ impl PolicyConfig {
         KV_STALE_AFTER_MS.check(self.kv_stale_after_ms as f64)?;
         KV_BARRIER_THRESHOLD.check(self.kv_barrier_threshold)?;
         KV_BARRIER_SCALE_S.check(self.kv_barrier_scale_s)?;
+        PREFILL_WEIGHT_MAX.check(self.prefill_weight_max)?;
         BALANCE_ABS.check(self.balance_abs as f64)?;
         BALANCE_REL.check(self.balance_rel)?;
         if self.distribution_seeding && self.name != PolicyName::CacheAware {
@@ -371,6 +384,8 @@ pub struct PolicyPatch {
     pub kv_barrier_threshold: Option<f64>,
     /// See [`KV_BARRIER_SCALE_S`].
     pub kv_barrier_scale_s: Option<f64>,
+    /// See [`PREFILL_WEIGHT_MAX`].
+    pub prefill_weight_max: Option<f64>,
     /// See [`BALANCE_ABS`].
     pub balance_abs: Option<u64>,
     /// See [`BALANCE_REL`].
@@ -398,6 +413,7 @@ impl PolicyPatch {
         cfg.kv_stale_after_ms = self.kv_stale_after_ms.unwrap_or(cfg.kv_stale_after_ms);
         cfg.kv_barrier_threshold = self.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
         cfg.kv_barrier_scale_s = self.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
+        cfg.prefill_weight_max = self.prefill_weight_max.unwrap_or(cfg.prefill_weight_max);
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
         cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);

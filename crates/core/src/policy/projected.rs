@@ -9,6 +9,7 @@
 //! prefill_s = (prompt − cached prefix) / prefill_tps
 //! barrier_s = f(projected KV usage with this request)      0 below the threshold, steep above
 //! projected = wait_s + decode_s + prefill_s + barrier_s
+//! cost      = projected + (prefill_weight − 1) × prefill_s      what `enforce` minimises
 //! ```
 //!
 //! A continuous-batching engine admits a new request at its next step: its running decodes do not
@@ -16,6 +17,11 @@
 //! aggregate decode rate, one running sequence adds `1 / decode_tps` seconds to a step), and, when
 //! the batch is full, the wait until enough running requests finish (they finish at about
 //! `running × decode_tps / decode_tokens` a second). A full KV cache is the barrier's part.
+//!
+//! `projected` is this request's own time to its first token. The choice also counts what the
+//! request's uncached prefill costs the requests that come after it: on a fleet whose prefill
+//! capacity is a fraction ρ busy, a second of new work keeps it busy `1 / (1 − ρ)` seconds
+//! ([`crate::load::prefill_weight`]). On an idle fleet the two are the same.
 //!
 //! The cached owner wins only while the prefill it saves outweighs its queue. In `enforce`, the hard
 //! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
@@ -63,6 +69,8 @@ pub struct Terms {
     pub barrier_s: f64,
     /// The projected score with cache credit.
     pub projected_s: f64,
+    /// What `enforce` minimises: `projected_s` with the uncached prefill weighted by the fleet's load.
+    pub cost_s: f64,
     /// The score with no cache credit (least_load).
     pub load_only_s: f64,
 }
@@ -85,9 +93,23 @@ pub fn kv_barrier_s(usage: f64, cfg: &PolicyConfig) -> f64 {
     }
 }
 
-/// Scores one worker for a request of `prompt_tokens` (of which `cached_tokens` are credited) that
-/// may decode `max_tokens`.
-pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_tokens: u64, cfg: &PolicyConfig) -> Terms {
+/// The request a worker is scored for: its prompt, the part of it credited as cached on the worker,
+/// the tokens it may decode, and the weight of uncached prefill on the fleet now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ask {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens credited as cached on this worker.
+    pub cached_tokens: u64,
+    /// Tokens it may decode.
+    pub max_tokens: u64,
+    /// [`crate::load::prefill_weight`] for the fleet's load now (1 on an idle fleet).
+    pub prefill_weight: f64,
+}
+
+/// Scores one worker for a request.
+pub fn score(load: &WorkerLoad, ask: Ask, cfg: &PolicyConfig) -> Terms {
+    let Ask { prompt_tokens, cached_tokens, max_tokens, prefill_weight } = ask;
     let cached = cached_tokens.min(prompt_tokens);
     let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
     let decode_s = occupancy_s(load, prompt_tokens - cached);
@@ -103,6 +125,7 @@ pub fn score(load: &WorkerLoad, prompt_tokens: u64, cached_tokens: u64, max_toke
         prefill_s,
         barrier_s,
         projected_s: wait_s + decode_s + prefill_s + barrier_s,
+        cost_s: wait_s + decode_s + prefill_weight * prefill_s + barrier_s,
         load_only_s: wait_s + occupancy_s(load, prompt_tokens) + full_prefill_s + full_barrier_s,
     }
 }
@@ -154,8 +177,7 @@ impl Policy for Projected {
 fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
     let scored = c.scored;
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner =
-            super::argmin(scored.len(), |i| scored[i].terms.projected_s, c.draw).unwrap_or(c.load_winner);
+        let cache_winner = super::argmin(scored.len(), |i| scored[i].terms.cost_s, c.draw).unwrap_or(c.load_winner);
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
         if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
             return (c.load_winner, Reason::Escape);
@@ -169,6 +191,10 @@ fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
 mod tests {
     use super::*;
     use crate::policy::Mode;
+
+    fn ask(prompt_tokens: u64, cached_tokens: u64, max_tokens: u64) -> Ask {
+        Ask { prompt_tokens, cached_tokens, max_tokens, prefill_weight: 1.0 }
+    }
 
     fn idle() -> WorkerLoad {
         WorkerLoad {
@@ -190,7 +216,7 @@ mod tests {
         let cfg = PolicyConfig::projected(Mode::Enforce);
         // 40 running requests with 4,000 decode tokens; 40k queued prefill tokens.
         let load = WorkerLoad { waiting_tokens: 40_000, running_requests: 40, decode_tokens: 4_000, ..idle() };
-        let t = score(&load, 10_000, 8_000, 100, &cfg);
+        let t = score(&load, ask(10_000, 8_000, 100), &cfg);
         assert_eq!(t.wait_s, 2.0);
         // 42,000 tokens of prefill to our end take 6 steps of 8,192, each carrying 40 sequences.
         assert!((t.decode_s - 6.0 * 40.0 / 2_000.0).abs() < 1e-12, "{}", t.decode_s);
@@ -202,12 +228,28 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_fleet_weighs_the_prefill_a_request_brings_and_reports_its_own_seconds_unweighted() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        let load = WorkerLoad { waiting_tokens: 20_000, ..idle() };
+        let busy_fleet = Ask { prefill_weight: 3.0, ..ask(10_000, 2_000, 100) };
+        let t = score(&load, busy_fleet, &cfg);
+        assert_eq!(t.projected_s, score(&load, ask(10_000, 2_000, 100), &cfg).projected_s);
+        // 8,000 uncached tokens are 0.4 s of this request's time and 1.2 s of the fleet's.
+        assert!((t.cost_s - t.projected_s - 2.0 * 0.4).abs() < 1e-12, "{t:?}");
+        assert_eq!(
+            score(&load, ask(10_000, 2_000, 100), &cfg).cost_s,
+            t.projected_s,
+            "an idle fleet: cost = projected"
+        );
+    }
+
+    #[test]
     fn a_running_batch_costs_its_share_of_each_step_not_its_whole_drain() {
         let cfg = PolicyConfig::projected(Mode::Enforce);
         // 30 running requests with 300 tokens left each would take 4.5 s to drain at 2,000 tokens/s;
         // a new 4k prompt is admitted at the next step and shares one step with them.
         let busy = WorkerLoad { running_requests: 30, decode_tokens: 9_000, ..idle() };
-        let t = score(&busy, 4_096, 0, 100, &cfg);
+        let t = score(&busy, ask(4_096, 0, 100), &cfg);
         assert!((t.decode_s - 30.0 / 2_000.0).abs() < 1e-12, "{}", t.decode_s);
         assert!(t.decode_s < 0.1 * 9_000.0 / 2_000.0);
     }
@@ -217,7 +259,7 @@ mod tests {
         let cfg = PolicyConfig::projected(Mode::Enforce);
         let room = WorkerLoad { running_requests: 8, decode_tokens: 800, max_running_requests: 10, ..idle() };
         let full = WorkerLoad { waiting_requests: 2, ..room };
-        let (t_room, t_full) = (score(&room, 100, 0, 10, &cfg), score(&full, 100, 0, 10, &cfg));
+        let (t_room, t_full) = (score(&room, ask(100, 0, 10), &cfg), score(&full, ask(100, 0, 10), &cfg));
         assert!((t_room.decode_s - 8.0 / 2_000.0).abs() < 1e-12, "{}", t_room.decode_s);
         // 8 + 2 + 1 = 11 wanted, 10 slots: one must finish. They finish at 8 × 2,000 / 800 = 20 a second.
         assert!((t_full.decode_s - t_room.decode_s - 1.0 / 20.0).abs() < 1e-12, "{}", t_full.decode_s);
@@ -238,10 +280,10 @@ mod tests {
     fn escape_compares_queue_seconds_and_waiting_counts() {
         let cfg = PolicyConfig { escape_seconds: 1.0, escape_waiting: 3, ..PolicyConfig::default() };
         let busy = WorkerLoad { waiting_requests: 2, waiting_tokens: 30_000, ..idle() };
-        let (tb, ti) = (score(&busy, 100, 100, 0, &cfg), score(&idle(), 100, 0, 0, &cfg));
+        let (tb, ti) = (score(&busy, ask(100, 100, 0), &cfg), score(&idle(), ask(100, 0, 0), &cfg));
         assert!(escape_fires((&tb, &busy), (&ti, &idle()), &cfg));
         let crowded = WorkerLoad { waiting_requests: 10, ..idle() };
-        let tc = score(&crowded, 100, 100, 0, &cfg);
+        let tc = score(&crowded, ask(100, 100, 0), &cfg);
         assert!(escape_fires((&tc, &crowded), (&ti, &idle()), &cfg));
         assert!(!escape_fires((&ti, &idle()), (&ti, &idle()), &cfg));
     }

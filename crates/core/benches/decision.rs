@@ -89,6 +89,8 @@ fn bench_decision(c: &mut Criterion) {
                 exclude: &[],
             };
             next += 1;
+            // Every decision at the same instant: the fleet's prefill demand never decays, so the
+            // weight on prefill sits at its bound (the path that weighs every score).
             let d = router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
             router.release(d.request, Timestamp::ZERO).unwrap();
             black_box(d.worker);

@@ -15,7 +15,7 @@ use crate::hashing::{BlockHasher, Namespace};
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
 use crate::index::{ApplyStats, KvIndex, KvState};
 use crate::ledger::Work;
-use crate::load::LoadSnapshot;
+use crate::load::{LoadSnapshot, PrefillDemand};
 use crate::policy::projected;
 use crate::policy::{least_load, policy_for, Choice, Choosing, PolicyConfig, Scored, SeedBook};
 use crate::replicas::ReservationChange;
@@ -315,8 +315,7 @@ impl Router {
         if fleet.requests.contains_key(&req.id) {
             return Err(DecideError::DuplicateRequest(req.id));
         }
-        let prefill_weight = fleet_prefill_weight(fleet, now, &cfg);
-        let scored = self.score_all(fleet, req, now, &cfg, prefill_weight);
+        let (scored, prefill_weight) = self.score_all(fleet, req, now, &cfg);
         let load_winner =
             least_load::pick(scored.len(), |i| &scored[i].terms, draw).ok_or(DecideError::NoEligibleWorker)?;
 
@@ -324,6 +323,7 @@ impl Router {
             scored: &scored,
             load_winner,
             draw,
+            prefill_weight,
             cfg: &cfg,
             keys: req.keys,
             routed: &|slot| fleet.workers[slot.index()].as_ref().map_or(0, |w| w.routed),
@@ -367,18 +367,18 @@ impl Router {
             prompt_tokens: req.prompt_tokens,
             cached_tokens: winner.cached_tokens,
             prefill_weight,
-            scores: score_list(&scored, chosen, load_winner, id_of),
+            scores: score_list(&scored, chosen, load_winner, prefill_weight, id_of),
         })
     }
 
+    /// Every eligible worker scored for `req`, and the weight of uncached prefill their costs use.
     fn score_all(
         &self,
         fleet: &mut Fleet,
         req: &RouteRequest<'_>,
         now: Timestamp,
         cfg: &PolicyConfig,
-        prefill_weight: f64,
-    ) -> Vec<Scored> {
+    ) -> (Vec<Scored>, f64) {
         let index = self.index.read();
         let mut overlaps = Vec::new();
         index.overlaps(req.keys, &mut overlaps);
@@ -420,29 +420,24 @@ impl Router {
             let cached_tokens =
                 if withheld.is_none() { reusable_tokens(raw_blocks, req.prompt_tokens, self.block_size) } else { 0 };
             let load = w.load();
-            let ask = projected::Ask {
-                prompt_tokens: req.prompt_tokens,
-                cached_tokens,
-                max_tokens: req.max_tokens,
-                prefill_weight,
-            };
+            let ask = projected::Ask { prompt_tokens: req.prompt_tokens, cached_tokens, max_tokens: req.max_tokens };
             let terms = projected::score(&load, ask, cfg);
             scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
         }
         fleet.scratch_overlap = raw;
-        scored
+        let capacity = scored.iter().map(|s| s.load.prefill_tps).sum();
+        let prefill_weight = fleet_prefill_weight(&fleet.demand, capacity, now, cfg);
+        (scored, prefill_weight)
     }
 }
 
-/// The weight of uncached prefill on the fleet now: the prefill sent lately over the eligible
-/// workers' prefill capacity (see [`crate::load::prefill_weight`]).
-fn fleet_prefill_weight(fleet: &Fleet, now: Timestamp, cfg: &PolicyConfig) -> f64 {
-    if cfg.prefill_weight_max <= 1.0 {
+/// The weight of uncached prefill on the fleet now: the prefill sent lately over the prefill
+/// `capacity` of the workers that can take this request (see [`crate::load::prefill_weight`]).
+fn fleet_prefill_weight(demand: &PrefillDemand, capacity: f64, now: Timestamp, cfg: &PolicyConfig) -> f64 {
+    if cfg.prefill_weight_max <= 1.0 || capacity <= 0.0 {
         return 1.0;
     }
-    let capacity: f64 = fleet.workers.iter().flatten().filter(|w| w.eligible).map(|w| w.prefill_rate()).sum();
-    let load = if capacity > 0.0 { fleet.demand.rate(now) / capacity } else { 0.0 };
-    crate::load::prefill_weight(load, cfg.prefill_weight_max)
+    crate::load::prefill_weight(demand.rate(now) / capacity, cfg.prefill_weight_max)
 }
 
 fn state_id(fleet: &Fleet, slot: WorkerSlot) -> WorkerId {
@@ -463,9 +458,11 @@ fn score_list(
     scored: &[Scored],
     chosen: usize,
     load_winner: usize,
+    prefill_weight: f64,
     id_of: impl Fn(usize) -> WorkerId,
 ) -> Vec<ScoreTerms> {
-    let by_score = |a: &usize, b: &usize| scored[*a].terms.cost_s.total_cmp(&scored[*b].terms.cost_s).then(a.cmp(b));
+    let cost = |i: usize| scored[i].terms.cost_s(prefill_weight);
+    let by_score = |a: &usize, b: &usize| cost(*a).total_cmp(&cost(*b)).then(a.cmp(b));
     let mut order: Vec<usize> = (0..scored.len()).collect();
     if order.len() > MAX_SCORES {
         // Only the best few are listed: select them in linear time, then sort just those.
@@ -487,7 +484,7 @@ fn score_list(
             ScoreTerms {
                 worker: id_of(i),
                 projected_s: s.terms.projected_s,
-                cost_s: s.terms.cost_s,
+                cost_s: s.terms.cost_s(prefill_weight),
                 cached_tokens: s.cached_tokens,
                 wait_s: s.terms.wait_s,
                 decode_s: s.terms.decode_s,

@@ -493,7 +493,6 @@ impl<'w> Simulation<'w> {
             prompt_tokens: tokens.len() as u64,
             cached_tokens: 0,
             max_tokens: u64::from(req.output_tokens),
-            prefill_weight: 1.0,
         };
         projected::score(&load, ask, &self.cfg.knobs).queue_s()
     }

@@ -472,6 +472,8 @@ pub(crate) struct Choosing<'a> {
     pub(crate) load_winner: usize,
     /// Tie-breaking randomness.
     pub(crate) draw: u64,
+    /// The weight of uncached prefill in the projected policy's cost.
+    pub(crate) prefill_weight: f64,
     /// The policy's knobs.
     pub(crate) cfg: &'a PolicyConfig,
     /// The request's block keys.

@@ -69,8 +69,6 @@ pub struct Terms {
     pub barrier_s: f64,
     /// The projected score with cache credit.
     pub projected_s: f64,
-    /// What `enforce` minimises: `projected_s` with the uncached prefill weighted by the fleet's load.
-    pub cost_s: f64,
     /// The score with no cache credit (least_load).
     pub load_only_s: f64,
 }
@@ -79,6 +77,12 @@ impl Terms {
     /// The queueing part the escape compares: wait plus decode.
     pub fn queue_s(&self) -> f64 {
         self.wait_s + self.decode_s
+    }
+
+    /// What `enforce` minimises: `projected_s` with the uncached prefill weighted by
+    /// `prefill_weight` ([`crate::load::prefill_weight`] of the fleet's load).
+    pub fn cost_s(&self, prefill_weight: f64) -> f64 {
+        self.projected_s + (prefill_weight - 1.0) * self.prefill_s
     }
 }
 
@@ -94,7 +98,7 @@ pub fn kv_barrier_s(usage: f64, cfg: &PolicyConfig) -> f64 {
 }
 
 /// The request a worker is scored for: its prompt, the part of it credited as cached on the worker,
-/// the tokens it may decode, and the weight of uncached prefill on the fleet now.
+/// and the tokens it may decode.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ask {
     /// Prompt tokens.
@@ -103,13 +107,11 @@ pub struct Ask {
     pub cached_tokens: u64,
     /// Tokens it may decode.
     pub max_tokens: u64,
-    /// [`crate::load::prefill_weight`] for the fleet's load now (1 on an idle fleet).
-    pub prefill_weight: f64,
 }
 
 /// Scores one worker for a request.
 pub fn score(load: &WorkerLoad, ask: Ask, cfg: &PolicyConfig) -> Terms {
-    let Ask { prompt_tokens, cached_tokens, max_tokens, prefill_weight } = ask;
+    let Ask { prompt_tokens, cached_tokens, max_tokens } = ask;
     let cached = cached_tokens.min(prompt_tokens);
     let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
     let decode_s = occupancy_s(load, prompt_tokens - cached);
@@ -125,7 +127,6 @@ pub fn score(load: &WorkerLoad, ask: Ask, cfg: &PolicyConfig) -> Terms {
         prefill_s,
         barrier_s,
         projected_s: wait_s + decode_s + prefill_s + barrier_s,
-        cost_s: wait_s + decode_s + prefill_weight * prefill_s + barrier_s,
         load_only_s: wait_s + occupancy_s(load, prompt_tokens) + full_prefill_s + full_barrier_s,
     }
 }
@@ -177,7 +178,8 @@ impl Policy for Projected {
 fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
     let scored = c.scored;
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner = super::argmin(scored.len(), |i| scored[i].terms.cost_s, c.draw).unwrap_or(c.load_winner);
+        let cache_winner =
+            super::argmin(scored.len(), |i| scored[i].terms.cost_s(c.prefill_weight), c.draw).unwrap_or(c.load_winner);
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
         if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
             return (c.load_winner, Reason::Escape);
@@ -193,7 +195,7 @@ mod tests {
     use crate::policy::Mode;
 
     fn ask(prompt_tokens: u64, cached_tokens: u64, max_tokens: u64) -> Ask {
-        Ask { prompt_tokens, cached_tokens, max_tokens, prefill_weight: 1.0 }
+        Ask { prompt_tokens, cached_tokens, max_tokens }
     }
 
     fn idle() -> WorkerLoad {
@@ -231,16 +233,10 @@ mod tests {
     fn a_busy_fleet_weighs_the_prefill_a_request_brings_and_reports_its_own_seconds_unweighted() {
         let cfg = PolicyConfig::projected(Mode::Enforce);
         let load = WorkerLoad { waiting_tokens: 20_000, ..idle() };
-        let busy_fleet = Ask { prefill_weight: 3.0, ..ask(10_000, 2_000, 100) };
-        let t = score(&load, busy_fleet, &cfg);
-        assert_eq!(t.projected_s, score(&load, ask(10_000, 2_000, 100), &cfg).projected_s);
-        // 8,000 uncached tokens are 0.4 s of this request's time and 1.2 s of the fleet's.
-        assert!((t.cost_s - t.projected_s - 2.0 * 0.4).abs() < 1e-12, "{t:?}");
-        assert_eq!(
-            score(&load, ask(10_000, 2_000, 100), &cfg).cost_s,
-            t.projected_s,
-            "an idle fleet: cost = projected"
-        );
+        let t = score(&load, ask(10_000, 2_000, 100), &cfg);
+        // 8,000 uncached tokens are 0.4 s of this request's time and, at weight 3, 1.2 s of the fleet's.
+        assert!((t.cost_s(3.0) - t.projected_s - 2.0 * 0.4).abs() < 1e-12, "{t:?}");
+        assert_eq!(t.cost_s(1.0), t.projected_s, "an idle fleet: cost = projected");
     }
 
     #[test]

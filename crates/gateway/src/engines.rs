@@ -167,6 +167,18 @@ pub fn request_failed(ctx: &EngineContext, engine: &EngineHandle) {
     set_healthy(ctx, engine, false);
 }
 
+/// Counts a request that could not connect to the engine: a failed request, and, for an engine
+/// whose health check has never passed, a failed check that takes it out of rotation at once (a
+/// gateway started with dead engines in its list would otherwise spend its first requests' retries
+/// on them until `failures_to_open` checks had failed).
+pub fn connect_failed(ctx: &EngineContext, engine: &EngineHandle) {
+    request_failed(ctx, engine);
+    if !engine.seen_up.load(Ordering::Relaxed) {
+        engine.failures.fetch_add(1, Ordering::Relaxed);
+        set_healthy(ctx, engine, false);
+    }
+}
+
 /// Counts a request the engine answered (any status but a server error).
 pub fn request_succeeded(engine: &EngineHandle) {
     let mut o = engine.outlier.lock();
@@ -263,6 +275,7 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
     };
     if ok {
         engine.failures.store(0, Ordering::Relaxed);
+        engine.seen_up.store(true, Ordering::Relaxed);
         if !ejected(ctx, engine) {
             set_healthy(ctx, engine, true);
         }
@@ -274,7 +287,7 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
         }
     } else {
         let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n >= ctx.settings.failures_to_open {
+        if n >= ctx.settings.failures_to_open || !engine.seen_up.load(Ordering::Relaxed) {
             set_healthy(ctx, engine, false);
         }
     }

@@ -301,7 +301,7 @@ async fn send(state: &AppState, endpoint: Endpoint, body: &Bytes, flight: &mut F
             let why = error_chain(&e);
             if e.is_connect() {
                 tracing::warn!(engine = %engine.id, request = flight.id.0, error = %why, "connect failed");
-                engines::request_failed(&state.engine_context(), &engine);
+                engines::connect_failed(&state.engine_context(), &engine);
             } else {
                 tracing::info!(engine = %engine.id, request = flight.id.0, error = %why, "request failed before any response");
             }

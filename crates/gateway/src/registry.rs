@@ -49,10 +49,14 @@ pub struct EngineHandle {
     pub spec: WorkerSpec,
     /// Base URL without a trailing slash.
     pub base: String,
-    /// Consecutive failed health checks (or a connect failure, which opens the circuit at once).
+    /// Consecutive failed health checks (a refused connect counts as one until the engine is seen up).
     pub failures: AtomicU32,
     /// Whether the circuit is closed (health checks pass).
     pub healthy: AtomicBool,
+    /// Whether a health check has ever passed. Until one has, a failed check or a refused connect
+    /// takes the engine out at once: `failures_to_open` shields an engine that has served from a
+    /// blip, and one that was never up has nothing to shield.
+    pub seen_up: AtomicBool,
     /// Which load endpoint worked last.
     pub telemetry: Mutex<Option<EngineKind>>,
     /// The last load poll's error, if it failed.
@@ -86,6 +90,8 @@ pub struct EngineView {
     pub url: String,
     /// Health checks pass.
     pub healthy: bool,
+    /// A health check has passed at least once since the engine was registered.
+    pub seen_up: bool,
     /// Consecutive failed health checks.
     pub consecutive_failures: u32,
     /// Consecutive failed requests (passive health).
@@ -113,7 +119,7 @@ pub struct EngineView {
 }
 
 impl EngineHandle {
-    /// A handle for a freshly registered engine (healthy until proven otherwise).
+    /// A handle for a freshly registered engine (in rotation until proven otherwise).
     pub fn new(id: WorkerId, spec: WorkerSpec, metrics: crate::metrics::EngineMetrics) -> Self {
         let base = spec.url.trim_end_matches('/').to_owned();
         let routes = Endpoint::ALL
@@ -128,6 +134,7 @@ impl EngineHandle {
             spec,
             failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
+            seen_up: AtomicBool::new(false),
             telemetry: Mutex::new(None),
             telemetry_error: Mutex::new(None),
             models: Mutex::new(Vec::new()),
@@ -191,6 +198,7 @@ impl EngineHandle {
             id: self.id.clone(),
             url: self.spec.display_url(),
             healthy: self.healthy.load(Ordering::Relaxed),
+            seen_up: self.seen_up.load(Ordering::Relaxed),
             consecutive_failures: self.failures.load(Ordering::Relaxed),
             consecutive_request_failures: outlier.consecutive,
             ejected_for_s: outlier.ejected_until.and_then(|u| {

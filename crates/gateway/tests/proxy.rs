@@ -87,12 +87,19 @@ async fn a_client_disconnect_mid_stream_releases_the_reservation() {
     assert!(metrics.contains("status=\"499\""), "{metrics}");
 }
 
+/// Whether every engine has passed a health check.
+fn all_seen_up(state: &kvgate_gateway::AppState) -> bool {
+    state.engines.all().iter().all(|e| e.seen_up.load(std::sync::atomic::Ordering::Relaxed))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_connect_is_retried_on_another_engine() {
     let engine = fake_engine().await;
-    let dead = dead_url().await;
+    let dying = HangUpEngine::start().await;
     // Health checks would take the dead engine out within 300 ms; passive health is under test.
-    let gw = gateway(&base_toml(&[dead.clone(), engine.url()], "[telemetry]\nfailures_to_open = 100\n")).await;
+    let gw = gateway(&base_toml(&[dying.url.clone(), engine.url()], "[telemetry]\nfailures_to_open = 100\n")).await;
+    assert!(gw.eventually(Duration::from_secs(3), all_seen_up).await, "both engines pass a health check");
+    dying.stop();
     // Ties break at random: send until one has been tried on the dead engine first.
     let mut sent = 0;
     while !metrics_text(&gw).await.contains("kvgate_retries_total 1") {
@@ -103,40 +110,91 @@ async fn a_failed_connect_is_retried_on_another_engine() {
     }
     assert_eq!(engine.requests(), sent, "every request reached the live engine");
     let metrics = metrics_text(&gw).await;
-    let dead_label = dead.trim_start_matches("http://");
+    let dead_label = dying.url.trim_start_matches("http://");
     assert!(metrics.contains(&format!("kvgate_upstream_failures_total{{engine=\"{dead_label}\"}} 1")), "{metrics}");
+    let workers = gw.get_json("/admin/workers").await;
+    let dead = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"].as_str().unwrap().starts_with(&dying.url))
+        .unwrap();
+    assert_eq!(dead["healthy"], true, "an engine that has served stays in until its checks or passive health say");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_that_were_never_up_leave_rotation_at_their_first_failed_check() {
+    let engine = fake_engine().await;
+    let mut urls = vec![engine.url()];
+    for _ in 0..8 {
+        urls.push(dead_url().await);
+    }
+    // Only the first health check runs in this test: three failed checks would take a minute each.
+    let toml = base_toml(&urls, "[telemetry]\n").replace("health_interval_ms = 100", "health_interval_ms = 60000");
+    let gw = gateway(&toml).await;
+    let out = |s: &kvgate_gateway::AppState| s.router.workers(s.clock.now()).iter().filter(|w| !w.eligible).count();
+    assert!(gw.eventually(Duration::from_secs(3), |s| out(s) == 8).await, "the 8 dead engines leave at once");
+    for _ in 0..20 {
+        let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(engine.requests(), 20);
+    let workers = gw.get_json("/admin/workers").await;
+    for w in workers["workers"].as_array().unwrap() {
+        let live = w["url"].as_str().unwrap().starts_with(&engine.url());
+        assert_eq!((w["healthy"] == true, w["seen_up"] == true), (live, live), "{w}");
+    }
 }
 
 async fn metrics_text(gw: &Gateway) -> String {
     gw.client.get(gw.url("/metrics")).send().await.unwrap().text().await.unwrap()
 }
 
-/// An "engine" that reads each request and closes the connection without answering, as an engine
-/// closing a kept-alive connection does.
-async fn hang_up_url() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = tokio::io::AsyncReadExt::read(&mut sock, &mut buf).await;
-            });
-        }
-    });
-    url
+/// An "engine" whose `/health` answers 200 and which reads every other request and closes the
+/// connection without answering, as an engine closing a kept-alive connection does. Every answer
+/// closes its connection, so none is pooled: once stopped, its port refuses connects.
+struct HangUpEngine {
+    url: String,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl HangUpEngine {
+    async fn start() -> HangUpEngine {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = [0u8; 4096];
+                    let n = sock.read(&mut buf).await.unwrap_or(0);
+                    if buf[..n].starts_with(b"GET /health") {
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                        let _ = sock.write_all(ok).await;
+                    }
+                });
+            }
+        });
+        HangUpEngine { url, accept }
+    }
+
+    /// Closes its port.
+    fn stop(&self) {
+        self.accept.abort();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_breaks_before_any_response_is_retried_elsewhere() {
     let engine = fake_engine().await;
-    let hang_up = hang_up_url().await;
+    let hang_up = HangUpEngine::start().await.url;
     // Slow health checks: the hang-up engine stays in rotation, so requests do reach it.
     let toml = format!(
         "[telemetry]\npoll_interval_ms = 50\nhealth_interval_ms = 60000\n[[workers]]\nurl = \"{hang_up}\"\n[[workers]]\nurl = \"{}\"\n",
         engine.url()
     );
     let gw = gateway(&toml).await;
+    assert!(gw.eventually(Duration::from_secs(3), all_seen_up).await, "both engines pass their first health check");
     for _ in 0..8 {
         let r = gw.post("/v1/chat/completions", &chat_body(false)).await;
         assert_eq!(r.status(), 200, "the client never sees the broken connection");

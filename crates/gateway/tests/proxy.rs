@@ -144,6 +144,25 @@ async fn engines_that_were_never_up_leave_rotation_at_their_first_failed_check()
         let live = w["url"].as_str().unwrap().starts_with(&engine.url());
         assert_eq!((w["healthy"] == true, w["seen_up"] == true), (live, live), "{w}");
     }
+    let ready = gw.get_json("/ready").await;
+    assert_eq!((ready["ready"].as_bool(), ready["eligible_seen_up"].as_u64()), (Some(true), Some(1)), "{ready}");
+
+    // An engine whose first health check has not come back yet (it takes 5 s to time out) is in
+    // rotation, but the gateway is not ready on it.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            held.push(sock);
+        }
+    });
+    let toml = base_toml(&[silent], "[telemetry]\n").replace("health_interval_ms = 100", "health_interval_ms = 60000");
+    let gw = gateway(&toml).await;
+    let r = gw.client.get(gw.url("/ready")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let ready: Value = r.json().await.unwrap();
+    assert_eq!((ready["eligible_workers"].as_u64(), ready["eligible_seen_up"].as_u64()), (Some(1), Some(0)));
 }
 
 async fn metrics_text(gw: &Gateway) -> String {

@@ -194,10 +194,15 @@ async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// Ready once an engine in rotation has passed a health check: engines are in rotation from
+/// registration, before anything is known of them.
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let eligible = state.router.workers(state.clock.now()).iter().filter(|w| w.eligible).count();
-    let status = if eligible > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"ready": eligible > 0, "eligible_workers": eligible}))).into_response()
+    let workers = state.router.workers(state.clock.now());
+    let eligible: Vec<_> = workers.iter().filter(|w| w.eligible).collect();
+    let seen_up = |id| state.engines.get(id).is_some_and(|e| e.seen_up.load(std::sync::atomic::Ordering::Relaxed));
+    let up = eligible.iter().filter(|w| seen_up(&w.id)).count();
+    let status = if up > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"ready": up > 0, "eligible_workers": eligible.len(), "eligible_seen_up": up}))).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

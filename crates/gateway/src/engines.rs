@@ -167,10 +167,10 @@ pub fn request_failed(ctx: &EngineContext, engine: &EngineHandle) {
     set_healthy(ctx, engine, false);
 }
 
-/// Counts a request that could not connect to the engine: a failed request, and, for an engine
-/// whose health check has never passed, a failed check that takes it out of rotation at once (a
-/// gateway started with dead engines in its list would otherwise spend its first requests' retries
-/// on them until `failures_to_open` checks had failed).
+/// Counts a request that could not connect to the engine (refused, not slow): a failed request,
+/// and, for an engine whose health check has never passed, a failed check that takes it out of
+/// rotation at once (a gateway started with dead engines in its list would otherwise spend its
+/// first requests' retries on them until `failures_to_open` checks had failed).
 pub fn connect_failed(ctx: &EngineContext, engine: &EngineHandle) {
     request_failed(ctx, engine);
     if !engine.seen_up.load(Ordering::Relaxed) {
@@ -262,16 +262,25 @@ async fn load_loop(ctx: EngineContext, engine: Arc<EngineHandle>) {
     .await;
 }
 
+/// Shortest wait for an engine's `/health` answer.
+const HEALTH_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// Longest wait for an engine's `/health` answer.
+const HEALTH_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+
 async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_models: bool) {
-    let timeout = ctx.settings.health_interval.min(Duration::from_secs(5));
-    let ok = match ctx.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
-        Ok(r) => r.status().is_success(),
+    // At least a second: a busy gateway (or test machine) must not read its own slowness as a sick
+    // engine, which would take it out of rotation and throw away its KV view on return.
+    let timeout = ctx.settings.health_interval.clamp(HEALTH_TIMEOUT_MIN, HEALTH_TIMEOUT_MAX);
+    // Whether the check passed, and, if not, whether the engine itself said so (an answer, a refused
+    // connect) rather than being slow to answer, which a busy gateway can cause.
+    let (ok, engine_said) = match ctx.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
+        Ok(r) => (r.status().is_success(), true),
         // The gateway is out of descriptors or ports: that says nothing about the engine.
         Err(e) if crate::error::is_local_resource_error(&e) => {
             ctx.metrics.local_resource_errors.inc();
             return;
         }
-        Err(_) => false,
+        Err(e) => (false, !e.is_timeout()),
     };
     if ok {
         engine.failures.store(0, Ordering::Relaxed);
@@ -287,7 +296,7 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
         }
     } else {
         let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n >= ctx.settings.failures_to_open || !engine.seen_up.load(Ordering::Relaxed) {
+        if n >= ctx.settings.failures_to_open || (engine_said && !engine.seen_up.load(Ordering::Relaxed)) {
             set_healthy(ctx, engine, false);
         }
     }

@@ -53,9 +53,10 @@ pub struct EngineHandle {
     pub failures: AtomicU32,
     /// Whether the circuit is closed (health checks pass).
     pub healthy: AtomicBool,
-    /// Whether a health check has ever passed. Until one has, a failed check or a refused connect
-    /// takes the engine out at once: `failures_to_open` shields an engine that has served from a
-    /// blip, and one that was never up has nothing to shield.
+    /// Whether a health check has ever passed. Until one has, a check the engine fails (an answer
+    /// other than 2xx, a refused connect; not a timeout) or a refused request takes it out at once:
+    /// `failures_to_open` shields an engine that has served from a blip, and one that was never up
+    /// has nothing to shield.
     pub seen_up: AtomicBool,
     /// Which load endpoint worked last.
     pub telemetry: Mutex<Option<EngineKind>>,

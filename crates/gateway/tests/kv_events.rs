@@ -169,6 +169,7 @@ async fn run_stream(drop: &[u64]) -> (usize, Vec<u64>, Json) {
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
     p.subscribed().await;
+    wait_until(&gw, "the first catch-up", is_synced).await;
     let prompts: Vec<String> = (0..4).map(|i| system_prompt(&format!("p{i}x"))).collect();
     let mut seq = 0;
     for (i, text) in prompts.iter().enumerate() {
@@ -212,6 +213,7 @@ async fn a_restart_clears_the_worker_and_rebuilds_it_from_the_new_process() {
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
     p.subscribed().await;
+    wait_until(&gw, "the first catch-up", is_synced).await;
     let (old, new) = (system_prompt("old"), system_prompt("new"));
     for seq in 0..3 {
         p.publish(seq, batch(if seq == 0 { vec![stored(&prompt_tokens(&old), 10, None)] } else { vec![] }), false)
@@ -457,6 +459,7 @@ async fn a_restart_that_repeats_the_last_sequence_number_with_all_blocks_cleared
     let mut p = Publisher::start().await;
     let gw = gateway(&base_toml(&[], &worker_toml("a", &engine.url(), &p))).await;
     p.subscribed().await;
+    wait_until(&gw, "the first catch-up", is_synced).await;
     let (old, new) = (system_prompt("before"), system_prompt("after"));
     p.publish(0, batch(vec![stored(&prompt_tokens(&old), 10, None)]), false).await;
     wait_until(&gw, "the old stream", |s| blocks_held(s, "a") > 0).await;

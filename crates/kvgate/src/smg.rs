@@ -22,7 +22,7 @@ const STICKY: &str =
     "kvgate has no sticky sessions: a conversation's requests follow its cached prefix through the KV events";
 const DP: &str = "kvgate addresses a data-parallel engine as one worker with dp_size (each rank's KV events on its own port, [[workers]] in the file); it does not pick the rank";
 const LIFECYCLE: &str = "kvgate probes every engine from the start and keeps it registered: it is in rotation while /health passes (--health-interval-ms, --failures-to-open) and it is not ejected by passive health (outlier_failures, outlier_ejection_s); a stalled stream ends after stream_idle_timeout_s";
-const HEALTH: &str = "kvgate probes GET /health on every engine every --health-interval-ms (timeout: the interval, at most 5 s); one passing probe brings an engine back; /health and /ready are served on kvgate's own port";
+const HEALTH: &str = "kvgate probes GET /health on every engine every --health-interval-ms (timeout: the interval, within 1 to 5 s); one passing probe brings an engine back; /health and /ready are served on kvgate's own port";
 const BREAKER: &str = "kvgate's circuit breaker is passive health: outlier_failures failures in a row eject an engine for outlier_ejection_s times its ejections in a row ([telemetry] in the file)";
 const RETRY: &str = "kvgate retries a failed request at once on another engine (at most 3 engines) while the client has seen no byte, and never on the same engine; there is nothing to tune";
 const TENANCY: &str = "kvgate has no tenants, priorities or rate limits: it admits by projected wait (--admission-wait-s) and caps connections (max_connections in [server])";

@@ -174,7 +174,16 @@ pub fn request_failed(ctx: &EngineContext, engine: &EngineHandle) {
 pub fn connect_failed(ctx: &EngineContext, engine: &EngineHandle) {
     request_failed(ctx, engine);
     if !engine.seen_up.load(Ordering::Relaxed) {
-        engine.failures.fetch_add(1, Ordering::Relaxed);
+        check_failed(ctx, engine, true);
+    }
+}
+
+/// Counts a failed health check; `engine_said` when the engine itself failed it (an answer, a
+/// refused connect) rather than being slow. `failures_to_open` in a row open the circuit, and so
+/// does one the engine said, until it has been seen up.
+fn check_failed(ctx: &EngineContext, engine: &EngineHandle, engine_said: bool) {
+    let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
+    if n >= ctx.settings.failures_to_open || (engine_said && !engine.seen_up.load(Ordering::Relaxed)) {
         set_healthy(ctx, engine, false);
     }
 }
@@ -295,10 +304,7 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
             discover_kv_events(ctx, engine, timeout).await;
         }
     } else {
-        let n = engine.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n >= ctx.settings.failures_to_open || (engine_said && !engine.seen_up.load(Ordering::Relaxed)) {
-            set_healthy(ctx, engine, false);
-        }
+        check_failed(ctx, engine, engine_said);
     }
 }
 

@@ -115,7 +115,7 @@ pub struct ScoreTerms {
     pub load_only_s: f64,
     /// Waiting requests (engine-reported plus reserved), used by the escape.
     pub waiting_requests: u64,
-    /// The prefill rate this score used: configured, or calibrated from observed first tokens.
+    /// The prefill rate this score used: configured, or calibrated from the engine's step cadence.
     pub prefill_tokens_per_s: f64,
     /// The decode rate this score used: configured, or calibrated from inter-token times.
     pub decode_tokens_per_s: f64,

@@ -13,7 +13,8 @@
 //! - [`hashing`]: the router's own chained block keys (XXH3-64).
 //! - [`index`]: the KV index built from exact `BlockStored`/`BlockRemoved`/`AllBlocksCleared` events.
 //! - [`load`], [`ledger`]: engine load reports, throughput estimates, and the reservation ledger
-//!   that reconciles with them without double counting.
+//!   that reconciles with them without double counting; [`step_cadence`]: the prefill rate an
+//!   engine shows in the timing of its own KV event batches.
 //! - [`policy`]: `least_load`, `projected` (with the KV barrier and the hard escape) and the
 //!   `cache_aware` baseline; knobs with their bounds.
 //! - [`decision`]: decision records and reasons.
@@ -71,6 +72,7 @@ pub mod outbox;
 pub mod policy;
 pub mod replicas;
 pub mod router;
+pub mod step_cadence;
 pub mod telemetry;
 pub mod time;
 

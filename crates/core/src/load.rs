@@ -38,7 +38,7 @@ pub struct CountEstimate {
 }
 
 /// Weight a new prefill observation takes from the old ones: an old one's weight halves in about
-/// seven new ones.
+/// 35 new ones.
 pub const PREFILL_FIT_ALPHA: f64 = 0.02;
 
 /// Weight a new decode observation takes. Every streamed request yields one, so the fit can afford
@@ -96,7 +96,7 @@ impl LinearFit {
 /// The rate a fitted seconds-per-unit slope implies, within the correction bound of `configured`;
 /// `configured` without a fit. A flat or falling line says the cost per unit is below what the
 /// points resolve: the fastest the bound allows.
-fn bounded_rate(configured: f64, slope: Option<f64>) -> f64 {
+pub(crate) fn bounded_rate(configured: f64, slope: Option<f64>) -> f64 {
     let (lo, hi) = (configured / THROUGHPUT_CORRECTION_BOUND, configured * THROUGHPUT_CORRECTION_BOUND);
     match slope {
         None => configured,

@@ -184,6 +184,27 @@ impl Router {
         Ok(())
     }
 
+    /// One scheduler step's KV events arrived live from a worker, stamped `engine_time_s` by the
+    /// engine (publisher `rank`): with calibration on, the step's computed tokens and the time since
+    /// the previous batch are a point of the worker's prefill-rate fit
+    /// ([`crate::step_cadence`]). Replayed batches must not be passed here: their spacing is not
+    /// the engine's.
+    pub fn observe_engine_step(
+        &self,
+        id: &WorkerId,
+        events: &[KvEvent],
+        engine_time_s: f64,
+        rank: Option<u32>,
+    ) -> Result<(), CoreError> {
+        let calibrate = self.policy.read().calibrate;
+        let mut fleet = self.fleet.lock();
+        let worker = fleet.worker_mut(id)?;
+        if calibrate && worker.steps.observe(crate::step_cadence::computed_tokens(events), engine_time_s, rank) {
+            fleet.refresh_measured_prefill();
+        }
+        Ok(())
+    }
+
     /// Applies decoded KV events from one worker's stream.
     pub fn apply_kv_events(&self, id: &WorkerId, events: &[KvEvent], now: Timestamp) -> Result<ApplyStats, CoreError> {
         let slot = self.fleet.lock().slot_of(id)?;
@@ -340,8 +361,7 @@ impl Router {
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
             if cfg.calibrate {
-                let ahead = winner.load.waiting_tokens.saturating_add(prefill_tokens);
-                state.timings.insert(req.id, Timing::new(now, ahead, winner.terms.decode_s));
+                state.timings.insert(req.id, Timing::default());
             }
             state.routed += 1;
             state.note_dispatch(now, last_event_at);

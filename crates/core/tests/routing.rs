@@ -3,6 +3,7 @@
 mod support;
 
 use kvgate_core::{KvState, LoadSnapshot, Mode, PolicyConfig, PolicyName, Reason, Timestamp};
+use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 use support::*;
 
 /// The production incident: 51 engines, the owner of a hot prefix with 109 waiting and 38 running,
@@ -322,21 +323,25 @@ fn zero_block_size_is_rejected() {
     assert!(err.to_string().contains("block_size"), "{err}");
 }
 
-/// Sends `n` requests of 500 to 3,000 uncached tokens to a one-worker fleet and answers each with a
-/// first token after 40 ms of overhead plus its prefill at `real_tps`, then 50 more tokens.
+/// Feeds a one-worker fleet a minute of its engine's KV event batches: steps of 40 ms plus their
+/// prefill at `real_tps`, most storing a few blocks, every tenth a large prompt, every third pair
+/// spanning a silent step; then decides one request.
 fn calibrate_against(policy: PolicyConfig, real_tps: f64) -> kvgate_core::Decision {
     let router = fleet(1, policy);
-    let mut now = T0;
-    for i in 0..20u64 {
-        let prompt = tokens(&format!("calibration {i}"), 500 + (i as usize % 6) * 500);
-        let d = decide(&router, &Req::new(&router, i, &prompt, 64), now);
-        let prefill_s = 0.040 + prompt.len() as f64 / real_tps;
-        let first = Timestamp::from_micros(now.0 + (prefill_s * 1e6) as u64);
-        router.first_token(d.request, first).unwrap();
-        now = Timestamp::from_micros(first.0 + 500_000);
-        router.release_with_output(d.request, now, Some(51)).unwrap();
+    let block = router.block_size();
+    let mut engine_s = 1_000.0;
+    for i in 0..100u32 {
+        let blocks = if i % 10 == 9 { 2_000 / block } else { 1 + i % 4 };
+        let stored = KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks).map(|b| EngineHash(u64::from(i) << 32 | u64::from(b))).collect(),
+            block_size: block,
+            ..BlockStored::default()
+        });
+        let silent_step = if i % 3 == 0 { 0.040 } else { 0.0 };
+        engine_s += silent_step + 0.040 + f64::from(blocks * block) / real_tps;
+        router.observe_engine_step(&wid(0), &[stored], engine_s, None).unwrap();
     }
-    decide(&router, &Req::new(&router, 99, &tokens("last", 1000), 64), now)
+    decide(&router, &Req::new(&router, 99, &tokens("last", 1000), 64), T0)
 }
 
 #[test]
@@ -344,7 +349,7 @@ fn calibration_learns_a_worker_prefill_rate_and_decisions_show_the_rate_used() {
     let on = PolicyConfig { calibrate: true, ..PolicyConfig::projected(Mode::Enforce) };
     let d = calibrate_against(on, 8_000.0);
     let rate = d.scores[0].prefill_tokens_per_s;
-    assert!((rate - 8_000.0).abs() < 200.0, "the 40 ms overhead is not taken for a slow engine: {rate}");
+    assert!((rate - 8_000.0).abs() < 200.0, "the 40 ms per step is not taken for a slow engine: {rate}");
     let off = calibrate_against(PolicyConfig::projected(Mode::Enforce), 8_000.0);
     assert_eq!(off.scores[0].prefill_tokens_per_s, 20_000.0, "calibration off plans with the configured rate");
 }

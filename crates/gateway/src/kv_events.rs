@@ -329,7 +329,10 @@ impl Subscriber {
             self.count(|m| &m.kv_decode_errors, msg.batch.skipped.len() as u64);
             tracing::debug!(engine = %self.cfg.worker, skipped = ?msg.batch.skipped, "KV events skipped");
         }
-        let mark = mark(&msg.batch.batch);
+        let batch = &msg.batch.batch;
+        // Live batches only: replayed ones come all at once, and their spacing is not the engine's.
+        let _ = self.ctx.router.observe_engine_step(&self.cfg.worker, &batch.events, batch.ts, batch.dp_rank);
+        let mark = mark(batch);
         let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
         self.act(action).await;
     }

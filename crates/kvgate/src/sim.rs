@@ -140,7 +140,7 @@ pub struct SimArgs {
     /// router is told it is 3× faster than it is), to watch calibration correct them.
     #[arg(long, default_value_t = 1.0)]
     misconfigure_first: f64,
-    /// Calibrate kvgate's rates from observed first tokens and inter-token times (the policy knob
+    /// Calibrate kvgate's rates from the engines' step cadence and inter-token times (the policy knob
     /// `calibrate`; off by default).
     #[arg(long)]
     calibrate: bool,

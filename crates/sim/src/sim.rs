@@ -97,7 +97,8 @@ enum Ev {
     Arrival(usize),
     StepEnd(usize, u64),
     Poll(usize),
-    Deliver(usize, EventBatch),
+    /// A batch reaches the router, with the time the engine published it.
+    Deliver(usize, EventBatch, Timestamp),
     ReplayReply(usize, u64),
     Disconnect(usize, Duration),
     Reconnect(usize),
@@ -337,7 +338,7 @@ impl<'w> Simulation<'w> {
             Ev::StepEnd(w, epoch) if epoch == self.hosts[w].epoch => self.step_end(w, now),
             Ev::StepEnd(..) => {}
             Ev::Poll(w) => self.poll(w, now),
-            Ev::Deliver(w, batch) => self.deliver(w, batch, now),
+            Ev::Deliver(w, batch, published) => self.deliver(w, batch, published, now),
             Ev::ReplayReply(w, from) => self.replay_reply(w, from, now),
             Ev::Disconnect(w, duration) => self.disconnect(w, duration, now),
             Ev::Reconnect(w) => {
@@ -553,12 +554,14 @@ impl<'w> Simulation<'w> {
         // (Live and replayed batches still interleave, which the tracker sorts out.)
         let at = now.saturating_add(self.cfg.kv_delay + self.kv_extra + jitter).max(self.hosts[w].last_delivery);
         self.hosts[w].last_delivery = at;
-        self.queue.push(at, Ev::Deliver(w, batch));
+        self.queue.push(at, Ev::Deliver(w, batch, now));
     }
 
-    fn deliver(&mut self, w: usize, batch: EventBatch, now: Timestamp) {
-        // The modelled engine sends no timestamps; a batch that clears everything still marks a
-        // restart that repeats a sequence number, as in the gateway.
+    fn deliver(&mut self, w: usize, batch: EventBatch, published: Timestamp, now: Timestamp) {
+        self.each_policy(|p| p.on_engine_step(w, &batch.events, published));
+        // The tracker is given no timestamp (the modelled engine's clock never goes back); a batch
+        // that clears everything still marks a restart that repeats a sequence number, as in the
+        // gateway.
         let clears_all = batch.events.iter().any(|e| matches!(e, KvEvent::AllBlocksCleared));
         let mark = BatchMark { clears_all, timestamp: None };
         match self.hosts[w].tracker.on_live_marked(batch.seq, mark, batch.events) {

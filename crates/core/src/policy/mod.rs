@@ -293,9 +293,10 @@ pub struct PolicyConfig {
     pub balance_rel: f64,
     /// cache_aware only: cap-one distribution seeding (see [`cache_aware`]).
     pub distribution_seeding: bool,
-    /// Calibrate each worker's prefill and decode rates from observed first tokens and inter-token
-    /// times (see [`crate::load::Throughput`]). Off by default: on a fleet configured right it
-    /// costs the simulator's multi-prefix TTFT p90 20–50% (docs/routing.md).
+    /// Calibrate each worker's prefill rate from the cadence of its KV event batches
+    /// ([`crate::step_cadence`]) and its decode rate from inter-token times. Off by default: on a
+    /// fleet configured right it costs the simulator's multi-prefix TTFT p90 about 3%, from the
+    /// decode fit (docs/routing.md).
     pub calibrate: bool,
 }
 

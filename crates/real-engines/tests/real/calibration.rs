@@ -1,0 +1,104 @@
+//! Calibration on a real engine: the prefill rate kvgate measures from the cadence of the engine's
+//! own KV event batches agrees with the marginal prefill cost a client measures on the engine, and
+//! replaces a configured rate three times too fast.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context};
+use kvgate_real_engines::fleet::{Fleet, MODEL};
+use kvgate_real_engines::gateway::{post, test_overrides, Gateway};
+use serde_json::{json, Value};
+
+/// A completions body whose prompt is `tokens` token ids no other trial or run sends (so the engine
+/// computes all of it).
+fn cold_prompt(tag: u64, tokens: usize, max_tokens: u32) -> Value {
+    let mut x = tag ^ u64::from(std::process::id()) << 32 ^ 0x9e37_79b9_7f4a_7c15;
+    let ids: Vec<u32> = (0..tokens)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            10 + (x % 890) as u32
+        })
+        .collect();
+    json!({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+/// The fastest of three cold requests of `tokens` prompt tokens and one output token, sent to the
+/// engine directly.
+async fn fastest_cold(url: &str, tag: u64, tokens: usize) -> anyhow::Result<f64> {
+    let mut best = f64::INFINITY;
+    for i in 0..3 {
+        let started = Instant::now();
+        post(url, "/v1/completions", &cold_prompt(tag + i, tokens, 1)).await?;
+        best = best.min(started.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(fleet: Arc<Fleet>) -> anyhow::Result<()> {
+    let a = fleet.engine("a");
+    // What a client sees: the extra time 1,536 more prompt tokens take (512 against 2,048, both
+    // within one step of the engine's 2,048-token budget). The difference leaves out the HTTP and
+    // per-step costs. The tiny model's attention makes long prompts cost more per token on the CPU,
+    // so this is the marginal rate over the step sizes the engine runs, as the cadence measures it.
+    let short = fastest_cold(&a.url(), 1_000, 512).await?;
+    let long = fastest_cold(&a.url(), 2_000, 2_048).await?;
+    ensure!(long > short, "2,048 tokens took {long:.4} s, no longer than 512 ({short:.4} s)");
+    let client_rate = 1_536.0 / (long - short);
+
+    // kvgate in front of `a` alone, told `a` is three times faster than the client measured.
+    let configured = 3.0 * client_rate;
+    let mut overrides = test_overrides(&[a]);
+    overrides.workers = vec![format!("{},prefill_tokens_per_s={configured:.0}", a.worker_flag())];
+    let gw = Gateway::start("[policy]\ncalibrate = true\n", overrides).await?;
+    gw.wait_idle("a").await?;
+
+    // Traffic: most prompts a few hundred tokens, one in seven of 2,000 to 3,500 (steps the size of
+    // the engine's budget), four at a time.
+    let mut sent = 0u64;
+    for wave in 0..30u64 {
+        let requests: Vec<_> = (0..4u64)
+            .map(|i| {
+                let n = wave * 4 + i;
+                let tokens = if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
+                let body = cold_prompt(10_000 + n, tokens, 8);
+                let url = gw.url.clone();
+                tokio::spawn(async move { post(&url, "/v1/completions", &body).await })
+            })
+            .collect();
+        for r in requests {
+            r.await??;
+            sent += 1;
+        }
+    }
+
+    // The last steps' events may still be on their way.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let router = loop {
+        let router = gw.worker("a").await?["router"].clone();
+        if router["measured_prefill_tokens_per_s"].is_number() {
+            break router;
+        }
+        ensure!(Instant::now() < deadline, "no prefill rate measured from a's steps after {sent} requests: {router}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let measured = router["measured_prefill_tokens_per_s"].as_f64().context("a number")?;
+    let planned = router["prefill_tokens_per_s"].as_f64().context("a number")?;
+    eprintln!(
+        "client-measured {client_rate:.0} tokens/s (512: {short:.4} s, 2,048: {long:.4} s); configured {configured:.0}; \
+         measured from steps {measured:.0}; planned {planned:.0}"
+    );
+    let ratio = measured / client_rate;
+    ensure!(
+        (0.6..=1.67).contains(&ratio),
+        "kvgate measured {measured:.0} tokens/s from a's steps, the client {client_rate:.0} ({ratio:.2}×)"
+    );
+    ensure!(
+        planned == measured,
+        "a configured {configured:.0} plans with {planned:.0}, not the measured {measured:.0}"
+    );
+    gw.stop().await;
+    Ok(())
+}

@@ -185,7 +185,8 @@ pub const CALIBRATION_DEAD_BAND: f64 = 0.5;
 /// inter-token times that calibrate the decode rate.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Timing {
-    first_token: Option<(Timestamp, u64)>,
+    /// When, the running batch then, and the prompt tokens the engine had computed by then.
+    first_token: Option<(Timestamp, u64, u64)>,
 }
 
 /// `measured` when it is off `configured` by more than [`CALIBRATION_DEAD_BAND`], else `configured`.
@@ -303,7 +304,7 @@ impl WorkerState {
         }
         let running = self.load().running_requests;
         if let Some(t) = self.timings.get_mut(&id) {
-            t.first_token = Some((now, running));
+            t.first_token = Some((now, running, self.steps.computed_total()));
         }
     }
 
@@ -313,14 +314,18 @@ impl WorkerState {
         let Some(t) = self.timings.remove(&id) else {
             return;
         };
-        let (Some((first_at, running_then)), Some(tokens)) = (t.first_token, output_tokens) else {
+        let (Some((first_at, running_then, computed_then)), Some(tokens)) = (t.first_token, output_tokens) else {
             return;
         };
         if tokens < 2 {
             return;
         }
         let batch = (running_then + self.load().running_requests) as f64 / 2.0;
-        let step_s = now.saturating_since(first_at).as_secs_f64() / (tokens - 1) as f64;
+        // The steps also carried other requests' prefill chunks, more of them in bigger batches;
+        // their time (the tokens the engine's batches say it computed meanwhile, at the planned
+        // prefill rate) is not decode.
+        let prefill_s = self.steps.computed_total().saturating_sub(computed_then) as f64 / self.prefill_rate();
+        let step_s = (now.saturating_since(first_at).as_secs_f64() - prefill_s) / (tokens - 1) as f64;
         self.decode.observe_step(batch.max(1.0), step_s);
     }
 

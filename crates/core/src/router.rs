@@ -199,8 +199,11 @@ impl Router {
         let calibrate = self.policy.read().calibrate;
         let mut fleet = self.fleet.lock();
         let worker = fleet.worker_mut(id)?;
-        if calibrate && worker.steps.observe(crate::step_cadence::computed_tokens(events), engine_time_s, rank) {
-            fleet.refresh_measured_prefill();
+        if calibrate {
+            let running = worker.load().running_requests;
+            if worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank) {
+                fleet.refresh_measured_prefill();
+            }
         }
         Ok(())
     }

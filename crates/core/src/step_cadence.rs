@@ -41,6 +41,9 @@ const LARGE_STEP_FACTOR: f64 = 4.0;
 /// ... and a fit needs this many of them.
 const MIN_LARGE_STEPS: usize = 2;
 
+/// The running count must span this many sequences over the points before its cost is fitted.
+const MIN_RUNNING_SPREAD: f64 = 4.0;
+
 /// Seconds between batches beyond which the pair says nothing about a step (the engine idled).
 const MAX_STEP_SECONDS: f64 = 10.0;
 
@@ -62,35 +65,68 @@ pub fn computed_tokens(events: &[KvEvent]) -> u64 {
         .sum()
 }
 
-/// The prefill cost per token (seconds) measured from one worker's event batches.
+/// One pair of consecutive batches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepPoint {
+    /// Prompt tokens the later batch's step computed.
+    tokens: f64,
+    /// Sequences the engine was running then, as the router reckons them.
+    running: f64,
+    /// Seconds since the previous batch.
+    seconds: f64,
+}
+
+/// What the envelope says a step costs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepCost {
+    /// Seconds per prefill token.
+    pub seconds_per_token: f64,
+    /// Seconds each running sequence adds to a step, when the running count varied enough to say.
+    /// Fitted so that busy steps do not flatten the token slope, not to plan with: on the simulator
+    /// it scatters from a quarter to four times the engine's decode rate, because a sequence's cost
+    /// (well under a millisecond) is small beside the steps' other variation.
+    pub seconds_per_sequence: Option<f64>,
+}
+
+/// The prefill (and per-sequence) cost measured from one worker's event batches.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepCadence {
     /// The publisher (data-parallel rank) and engine time of the last batch.
     #[serde(skip)]
     last: Option<(Option<u32>, f64)>,
-    /// `(tokens computed, seconds since the previous batch)`, newest last.
+    /// Newest last.
     #[serde(skip)]
-    points: VecDeque<(f64, f64)>,
+    points: VecDeque<StepPoint>,
     #[serde(skip)]
     since_fit: u32,
-    /// The fitted seconds per prefill token, once the points allow a fit.
-    seconds_per_token: Option<f64>,
+    /// The fitted costs, once the points allow a fit.
+    cost: Option<StepCost>,
+    /// Prompt tokens computed in all live batches seen.
+    computed_total: u64,
 }
 
 impl Default for StepCadence {
     fn default() -> Self {
-        StepCadence { last: None, points: VecDeque::with_capacity(STEP_WINDOW), since_fit: 0, seconds_per_token: None }
+        StepCadence {
+            last: None,
+            points: VecDeque::with_capacity(STEP_WINDOW),
+            since_fit: 0,
+            cost: None,
+            computed_total: 0,
+        }
     }
 }
 
 impl StepCadence {
-    /// A batch that computed `tokens` prompt tokens was published at `engine_time_s` (seconds, the
-    /// engine's clock) by publisher `rank`. Batches of different ranks, out of order, or far apart
-    /// start a new pair instead of making a point. Returns whether the fit changed.
-    pub fn observe(&mut self, tokens: u64, engine_time_s: f64, rank: Option<u32>) -> bool {
+    /// A batch that computed `tokens` prompt tokens, with `running` sequences in the engine's batch,
+    /// was published at `engine_time_s` (seconds, the engine's clock) by publisher `rank`. Batches
+    /// of different ranks, out of order, or far apart start a new pair instead of making a point.
+    /// Returns whether the fit changed.
+    pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> bool {
         if !engine_time_s.is_finite() {
             return false;
         }
+        self.computed_total = self.computed_total.saturating_add(tokens);
         let mut refitted = false;
         if let Some((last_rank, last_time)) = self.last {
             let seconds = engine_time_s - last_time;
@@ -98,13 +134,13 @@ impl StepCadence {
                 if self.points.len() == STEP_WINDOW {
                     self.points.pop_front();
                 }
-                self.points.push_back((tokens as f64, seconds));
+                self.points.push_back(StepPoint { tokens: tokens as f64, running: running as f64, seconds });
                 self.since_fit += 1;
                 if self.points.len() >= MIN_STEP_POINTS && self.since_fit >= REFIT_EVERY {
                     self.since_fit = 0;
-                    if let Some(s) = lower_envelope_slope(&self.points) {
-                        refitted = self.seconds_per_token != Some(s);
-                        self.seconds_per_token = Some(s);
+                    if let Some(cost) = lower_envelope(&self.points) {
+                        refitted = self.cost != Some(cost);
+                        self.cost = Some(cost);
                     }
                 }
             }
@@ -113,57 +149,88 @@ impl StepCadence {
         refitted
     }
 
+    /// Prompt tokens the engine computed in all the live batches seen so far: the difference over
+    /// a stream's decode is the prefill its steps also carried.
+    pub fn computed_total(&self) -> u64 {
+        self.computed_total
+    }
+
     /// The measured seconds per prefill token, once there is a fit.
     pub fn seconds_per_token(&self) -> Option<f64> {
-        self.seconds_per_token
+        self.cost.map(|c| c.seconds_per_token)
     }
 }
 
-/// The slope of the low-quantile line through `points`, when a few steps computed far more tokens
-/// than the typical one: without them the per-token cost of small steps hides in their per-step
-/// cost, and the slope is loose (measured on the simulator: 13k to 70k tokens/s for an engine of
-/// 20k).
-fn lower_envelope_slope(points: &VecDeque<(f64, f64)>) -> Option<f64> {
-    let mut tokens: Vec<f64> = points.iter().map(|p| p.0).collect();
+/// The low-quantile plane `seconds = a + tokens · s + running · b` under `points`, when a few steps
+/// computed far more tokens than the typical one: without them the per-token cost of small steps
+/// hides in their per-step cost, and the slope is loose (measured on the simulator: 13k to 70k
+/// tokens/s for an engine of 20k). The running count enters when it varied: busy steps, with more
+/// sequences, are mostly small ones, and leaving their cost out flattens the token slope.
+fn lower_envelope(points: &VecDeque<StepPoint>) -> Option<StepCost> {
+    let mut tokens: Vec<f64> = points.iter().map(|p| p.tokens).collect();
     tokens.sort_by(f64::total_cmp);
     let typical = tokens[tokens.len() / 2];
     if tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() < MIN_LARGE_STEPS {
         return None;
     }
+    let (lo, hi) = points.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), p| (lo.min(p.running), hi.max(p.running)));
+    let with_running = hi - lo >= MIN_RUNNING_SPREAD;
     // Quantile regression by iteratively reweighted least squares: each point weighs
-    // `τ / |r|` above the line and `(1 − τ) / |r|` below it, which makes the weighted squares the
+    // `τ / |r|` above the plane and `(1 − τ) / |r|` below it, which makes the weighted squares the
     // check loss of the τ-quantile.
     let mut weights = vec![1.0; points.len()];
-    let mut line = (0.0, 0.0);
+    let mut coef = [0.0; 3];
     for _ in 0..IRLS_ITERATIONS {
-        line = weighted_line(points, &weights)?;
-        for (w, &(x, y)) in weights.iter_mut().zip(points) {
-            let r = y - line.0 - line.1 * x;
+        coef = weighted_plane(points, &weights, with_running)?;
+        for (w, p) in weights.iter_mut().zip(points) {
+            let r = p.seconds - coef[0] - coef[1] * p.tokens - coef[2] * p.running;
             let side = if r > 0.0 { ENVELOPE_QUANTILE } else { 1.0 - ENVELOPE_QUANTILE };
             *w = side / r.abs().max(1e-4);
         }
     }
-    let slope = line.1;
-    (slope.is_finite() && slope > 0.0).then_some(slope)
+    let [_, per_token, per_sequence] = coef;
+    (per_token.is_finite() && per_token > 0.0).then_some(StepCost {
+        seconds_per_token: per_token,
+        seconds_per_sequence: (with_running && per_sequence.is_finite() && per_sequence > 0.0).then_some(per_sequence),
+    })
 }
 
-/// Weighted least squares: `(intercept, slope)`.
-fn weighted_line(points: &VecDeque<(f64, f64)>, weights: &[f64]) -> Option<(f64, f64)> {
-    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    for (&w, &(x, y)) in weights.iter().zip(points) {
-        sw += w;
-        sx += w * x;
-        sy += w * y;
-        sxx += w * x * x;
-        sxy += w * x * y;
+/// Weighted least squares of `seconds` on `[1, tokens, running]` (the last left out, its
+/// coefficient 0, unless `with_running`).
+fn weighted_plane(points: &VecDeque<StepPoint>, weights: &[f64], with_running: bool) -> Option<[f64; 3]> {
+    let k = if with_running { 3 } else { 2 };
+    // Normal equations, augmented: [XᵀWX | XᵀWy].
+    let mut m = [[0.0f64; 4]; 3];
+    for (&w, p) in weights.iter().zip(points) {
+        let x = [1.0, p.tokens, p.running];
+        for i in 0..k {
+            for j in 0..k {
+                m[i][j] += w * x[i] * x[j];
+            }
+            m[i][3] += w * x[i] * p.seconds;
+        }
     }
-    let (mean_x, mean_y) = (sx / sw, sy / sw);
-    let var_x = sxx / sw - mean_x * mean_x;
-    if !(var_x > 0.0 && sw > 0.0) {
-        return None;
+    for col in 0..k {
+        let pivot = (col..k).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+        m.swap(col, pivot);
+        let pivot_row = m[col];
+        if pivot_row[col].abs() < 1e-300 {
+            return None;
+        }
+        for (row, r) in m.iter_mut().enumerate().take(k) {
+            if row != col {
+                let f = r[col] / pivot_row[col];
+                for (x, p) in r.iter_mut().zip(pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
     }
-    let slope = (sxy / sw - mean_x * mean_y) / var_x;
-    Some((mean_y - slope * mean_x, slope))
+    let mut coef = [0.0; 3];
+    for (i, (c, r)) in coef.iter_mut().zip(&m).enumerate().take(k) {
+        *c = r[3] / r[i];
+    }
+    coef.iter().all(|c| c.is_finite()).then_some(coef)
 }
 
 #[cfg(test)]
@@ -171,6 +238,9 @@ mod tests {
     use super::*;
     use kvgate_protocol::{BlockRemoved, BlockStored, EngineHash};
     use rand::{Rng, SeedableRng};
+
+    /// What each running sequence adds to a step in [`feed`].
+    const PER_SEQUENCE_S: f64 = 0.000_5;
 
     /// A busy engine's steps at `rate` tokens/s with 20–40 ms of per-step cost: most store one to
     /// sixteen blocks, one in ten a prompt of 4k to 8k tokens; half the pairs of batches span one to
@@ -190,8 +260,10 @@ mod tests {
             if rng.random::<f64>() < 0.1 {
                 t += 1.0 + 3.0 * rng.random::<f64>();
             }
-            t += step(&mut rng) + tokens as f64 / rate;
-            cadence.observe(tokens, t, None);
+            // Busy steps are small ones: the running batch is larger when the step computes less.
+            let running = if tokens < 1_024 { rng.random_range(20..=60u64) } else { rng.random_range(0..=10u64) };
+            t += step(&mut rng) + running as f64 * PER_SEQUENCE_S + tokens as f64 / rate;
+            cadence.observe(tokens, running, t, None);
         }
     }
 
@@ -202,6 +274,8 @@ mod tests {
             feed(&mut c, rate, 200, seed);
             let measured = 1.0 / c.seconds_per_token().expect("enough points");
             assert!((measured / rate - 1.0).abs() < 0.1, "measured {measured:.0} for {rate:.0}");
+            let per_sequence = c.cost.and_then(|c| c.seconds_per_sequence).expect("the running count varied");
+            assert!((per_sequence / PER_SEQUENCE_S - 1.0).abs() < 0.2, "{per_sequence} s per sequence");
         }
     }
 
@@ -212,7 +286,7 @@ mod tests {
         assert_eq!(c.seconds_per_token(), None);
         let mut same = StepCadence::default();
         for i in 0..200 {
-            same.observe(512, f64::from(i) * 0.05, None);
+            same.observe(512, 8, f64::from(i) * 0.05, None);
         }
         assert_eq!(same.seconds_per_token(), None);
     }
@@ -220,14 +294,14 @@ mod tests {
     #[test]
     fn pairs_across_ranks_out_of_order_or_without_tokens_make_no_point() {
         let mut c = StepCadence::default();
-        c.observe(512, 10.0, Some(0));
-        c.observe(512, 10.1, Some(1));
-        c.observe(512, 10.05, Some(1));
-        c.observe(0, 10.2, Some(1));
-        c.observe(512, f64::NAN, Some(1));
-        c.observe(512, 30.0, Some(1));
+        c.observe(512, 1, 10.0, Some(0));
+        c.observe(512, 1, 10.1, Some(1));
+        c.observe(512, 1, 10.05, Some(1));
+        c.observe(0, 1, 10.2, Some(1));
+        c.observe(512, 1, f64::NAN, Some(1));
+        c.observe(512, 1, 30.0, Some(1));
         assert!(c.points.is_empty(), "{:?}", c.points);
-        c.observe(512, 30.1, Some(1));
+        c.observe(512, 1, 30.1, Some(1));
         assert_eq!(c.points.len(), 1);
     }
 

@@ -9,23 +9,36 @@ use kvgate_sim::policy::PolicySpec;
 use kvgate_sim::workload::{self, WorkloadParams};
 use kvgate_sim::SimConfig;
 
-/// Engine 0's planned prefill rate after 60 s of multi-prefix traffic (seed `seed`), with engine 0
-/// configured at `scale` × its real 20,000 tokens/s.
-fn planned_prefill_of_first(scale: f64, calibrate: bool, seed: u64) -> f64 {
+/// Engine 0's planned prefill and decode rates after 60 s of multi-prefix traffic (seed `seed`),
+/// with engine 0 configured at `scale` × its real rates.
+fn planned_rates_of_first(scale: f64, calibrate: bool, seed: u64) -> (f64, f64) {
     let w = workload::multi_prefix(WorkloadParams { workers: None, rate: None, duration_s: Some(60.0), seed });
     let mut cfg = SimConfig::new(EngineProfile::large_moe_h200(), PolicySpec::parse("projected").unwrap(), seed);
     cfg.knobs = PolicyConfig { calibrate, ..PolicyConfig::default() };
     cfg.misconfigured_rate_scale = scale;
     let report = kvgate_sim::run(&w, cfg).unwrap();
-    report.workers[0].planned_rates.expect("kvgate's policy reports its rates").0
+    report.workers[0].planned_rates.expect("kvgate's policy reports its rates")
+}
+
+fn planned_prefill_of_first(scale: f64, calibrate: bool, seed: u64) -> f64 {
+    planned_rates_of_first(scale, calibrate, seed).0
 }
 
 /// The median over seeds 1 to 3 of engine 0's planned prefill rate: one seed's estimate is noisy
 /// (docs/routing.md shows each).
 fn median_planned_prefill_of_first(scale: f64) -> f64 {
-    let mut rates: Vec<f64> = (1..=3).map(|seed| planned_prefill_of_first(scale, true, seed)).collect();
+    median_of_three(|seed| planned_prefill_of_first(scale, true, seed))
+}
+
+fn median_of_three(f: impl Fn(u64) -> f64) -> f64 {
+    let mut rates: Vec<f64> = (1..=3).map(f).collect();
     rates.sort_by(f64::total_cmp);
     rates[1]
+}
+
+/// The decode rate the router plans an engine of this profile with when configured right.
+fn configured_decode() -> f64 {
+    planned_rates_of_first(1.0, false, 1).1
 }
 
 #[test]
@@ -42,4 +55,18 @@ fn an_engine_configured_three_times_too_fast_is_measured_at_its_real_rate_within
     let planned = median_planned_prefill_of_first(3.0);
     assert!((planned - real).abs() < 0.25 * real, "planned {planned:.0} against the real {real:.0} tokens/s");
     assert_eq!(planned_prefill_of_first(3.0, false, 1), 3.0 * real, "calibration off");
+}
+
+#[test]
+fn the_decode_rate_of_an_engine_configured_three_times_too_fast_comes_back_within_a_minute() {
+    // Inter-token times, less the time the engine's batches say went to other requests' prefill
+    // chunks meanwhile. The configured decode rate is an aggregate of a full-ish batch and the fit
+    // measures what one more sequence adds, so "right" here is within the dead band of it.
+    let right = configured_decode();
+    let planned = median_of_three(|seed| planned_rates_of_first(3.0, true, seed).1);
+    assert!(
+        planned < 1.5 * right && planned > right / 1.5,
+        "planned {planned:.0}, configured {:.0}, right {right:.0}",
+        3.0 * right
+    );
 }

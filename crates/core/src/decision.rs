@@ -98,7 +98,8 @@ pub struct ScoreTerms {
     /// `wait_s + decode_s + prefill_s + barrier_s`: seconds until this request's prefill would end.
     pub projected_s: f64,
     /// What `enforce` minimises: `projected_s` plus `(prefill_weight − 1) × prefill_s`, the time
-    /// this request's uncached prefill keeps a busy fleet from the requests after it.
+    /// this request's uncached prefill keeps a busy fleet from the requests after it, plus
+    /// `batch_delay_weight × batch_delay_s`.
     pub cost_s: f64,
     /// Prompt tokens credited as cached on this worker (0 unless its telemetry is trusted).
     pub cached_tokens: u64,
@@ -111,6 +112,8 @@ pub struct ScoreTerms {
     pub prefill_s: f64,
     /// KV-pressure barrier for the projected usage with this request.
     pub barrier_s: f64,
+    /// `prefill_s` times the running sequences: the delay this prefill adds to their next tokens.
+    pub batch_delay_s: f64,
     /// The same sum with no cache credit: the least_load score.
     pub load_only_s: f64,
     /// Waiting requests (engine-reported plus reserved), used by the escape.

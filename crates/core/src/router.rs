@@ -390,7 +390,7 @@ impl Router {
             prompt_tokens: req.prompt_tokens,
             cached_tokens: winner.cached_tokens,
             prefill_weight,
-            scores: score_list(&scored, chosen, load_winner, prefill_weight, id_of),
+            scores: score_list(&scored, chosen, load_winner, (prefill_weight, cfg.batch_delay_weight), id_of),
         })
     }
 
@@ -481,10 +481,11 @@ fn score_list(
     scored: &[Scored],
     chosen: usize,
     load_winner: usize,
-    prefill_weight: f64,
+    weights: (f64, f64),
     id_of: impl Fn(usize) -> WorkerId,
 ) -> Vec<ScoreTerms> {
-    let cost = |i: usize| scored[i].terms.cost_s(prefill_weight);
+    let (prefill_weight, batch_delay_weight) = weights;
+    let cost = |i: usize| scored[i].terms.cost_s(prefill_weight, batch_delay_weight);
     let by_score = |a: &usize, b: &usize| cost(*a).total_cmp(&cost(*b)).then(a.cmp(b));
     let mut order: Vec<usize> = (0..scored.len()).collect();
     if order.len() > MAX_SCORES {
@@ -507,12 +508,13 @@ fn score_list(
             ScoreTerms {
                 worker: id_of(i),
                 projected_s: s.terms.projected_s,
-                cost_s: s.terms.cost_s(prefill_weight),
+                cost_s: cost(i),
                 cached_tokens: s.cached_tokens,
                 wait_s: s.terms.wait_s,
                 decode_s: s.terms.decode_s,
                 prefill_s: s.terms.prefill_s,
                 barrier_s: s.terms.barrier_s,
+                batch_delay_s: s.terms.batch_delay_s,
                 load_only_s: s.terms.load_only_s,
                 waiting_requests: s.load.waiting_requests,
                 prefill_tokens_per_s: s.load.prefill_tps,

@@ -87,6 +87,10 @@ pub struct SimArgs {
     /// [default: 10; 1 weighs prefill as the request's own seconds only].
     #[arg(long)]
     prefill_weight_max: Option<f64>,
+    /// Projected policy: weight of the delay uncached prefill adds to the worker's running
+    /// sequences [default: 0.15; 0 turns it off].
+    #[arg(long)]
+    batch_delay_weight: Option<f64>,
     /// Router admission: reject above this projected wait in seconds (0 disables).
     #[arg(long, default_value_t = 30.0)]
     admission_wait_s: f64,
@@ -316,6 +320,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
     knobs.prefill_weight_max = a.prefill_weight_max.unwrap_or(knobs.prefill_weight_max);
+    knobs.batch_delay_weight = a.batch_delay_weight.unwrap_or(knobs.batch_delay_weight);
     knobs.calibrate = a.calibrate;
     knobs.validate()?;
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {

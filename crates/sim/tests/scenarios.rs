@@ -133,9 +133,11 @@ fn a_disconnected_engine_fails_its_in_flight_requests_and_gets_no_more() {
     assert!(r.requests.failed > 0, "in-flight requests fail");
     assert!(r.requests.failed < r.requests.total / 50, "then the router stops sending: {:?}", r.requests);
     assert_eq!(r.requests.completed + r.requests.failed, r.requests.total);
+    // Against the same run without the fault (an engine that comes back idle draws more than its
+    // share for a while, so the fleet's mean is not the yardstick).
     let target = r.workers[0].requests as f64;
-    let mean = r.requests.total as f64 / r.workers.len() as f64;
-    assert!(target < 0.85 * mean, "out for a third of the run: {target} vs mean {mean}");
+    let undisturbed = run(&w, "projected:enforce").workers[0].requests as f64;
+    assert!(target < 0.85 * undisturbed, "out for a third of the run: {target} requests against {undisturbed}");
 }
 
 #[test]

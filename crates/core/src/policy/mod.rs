@@ -231,6 +231,14 @@ pub const PREFILL_WEIGHT_MAX: Knob = Knob {
     default: 10.0,
     meaning: "enforce weighs uncached prefill seconds by 1 / (1 − fleet prefill load), the time the work keeps the fleet busy while later requests queue behind it, up to this factor; 1 turns the weighting off",
 };
+/// Weight of the delay a worker's uncached prefill adds to its running sequences.
+pub const BATCH_DELAY_WEIGHT: Knob = Knob {
+    name: "batch_delay_weight",
+    min: 0.0,
+    max: 10.0,
+    default: 0.15,
+    meaning: "enforce adds this weight × uncached prefill seconds × running sequences: the steps that carry the prefill delay every running sequence's next token; 0 turns it off",
+};
 /// SMG cache_aware absolute balance gate.
 pub const BALANCE_ABS: Knob = Knob {
     name: "balance_abs",
@@ -258,6 +266,7 @@ pub const KNOBS: &[Knob] = &[
     KV_BARRIER_THRESHOLD,
     KV_BARRIER_SCALE_S,
     PREFILL_WEIGHT_MAX,
+    BATCH_DELAY_WEIGHT,
     BALANCE_ABS,
     BALANCE_REL,
 ];
@@ -287,6 +296,8 @@ pub struct PolicyConfig {
     pub kv_barrier_scale_s: f64,
     /// See [`PREFILL_WEIGHT_MAX`].
     pub prefill_weight_max: f64,
+    /// See [`BATCH_DELAY_WEIGHT`].
+    pub batch_delay_weight: f64,
     /// See [`BALANCE_ABS`].
     pub balance_abs: u64,
     /// See [`BALANCE_REL`].
@@ -313,6 +324,7 @@ impl PolicyConfig {
             kv_barrier_threshold: KV_BARRIER_THRESHOLD.default,
             kv_barrier_scale_s: KV_BARRIER_SCALE_S.default,
             prefill_weight_max: PREFILL_WEIGHT_MAX.default,
+            batch_delay_weight: BATCH_DELAY_WEIGHT.default,
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
             distribution_seeding: false,
@@ -334,6 +346,7 @@ impl PolicyConfig {
         KV_BARRIER_THRESHOLD.check(self.kv_barrier_threshold)?;
         KV_BARRIER_SCALE_S.check(self.kv_barrier_scale_s)?;
         PREFILL_WEIGHT_MAX.check(self.prefill_weight_max)?;
+        BATCH_DELAY_WEIGHT.check(self.batch_delay_weight)?;
         BALANCE_ABS.check(self.balance_abs as f64)?;
         BALANCE_REL.check(self.balance_rel)?;
         if self.distribution_seeding && self.name != PolicyName::CacheAware {
@@ -387,6 +400,8 @@ pub struct PolicyPatch {
     pub kv_barrier_scale_s: Option<f64>,
     /// See [`PREFILL_WEIGHT_MAX`].
     pub prefill_weight_max: Option<f64>,
+    /// See [`BATCH_DELAY_WEIGHT`].
+    pub batch_delay_weight: Option<f64>,
     /// See [`BALANCE_ABS`].
     pub balance_abs: Option<u64>,
     /// See [`BALANCE_REL`].
@@ -415,6 +430,7 @@ impl PolicyPatch {
         cfg.kv_barrier_threshold = self.kv_barrier_threshold.unwrap_or(cfg.kv_barrier_threshold);
         cfg.kv_barrier_scale_s = self.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
         cfg.prefill_weight_max = self.prefill_weight_max.unwrap_or(cfg.prefill_weight_max);
+        cfg.batch_delay_weight = self.batch_delay_weight.unwrap_or(cfg.batch_delay_weight);
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
         cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);

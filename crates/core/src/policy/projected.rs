@@ -9,7 +9,10 @@
 //! prefill_s = (prompt − cached prefix) / prefill_tps
 //! barrier_s = f(projected KV usage with this request)      0 below the threshold, steep above
 //! projected = wait_s + decode_s + prefill_s + barrier_s
-//! cost      = projected + (prefill_weight − 1) × prefill_s      what `enforce` minimises
+//! batch_delay_s = prefill_s × running                       what the prefill's steps add to the
+//!                                                            running sequences' next tokens, summed
+//! cost      = projected + (prefill_weight − 1) × prefill_s
+//!           + batch_delay_weight × batch_delay_s               what `enforce` minimises
 //! ```
 //!
 //! A continuous-batching engine admits a new request at its next step: its running decodes do not
@@ -21,7 +24,11 @@
 //! `projected` is this request's own time to its first token. The choice also counts what the
 //! request's uncached prefill costs the requests that come after it: on a fleet whose prefill
 //! capacity is a fraction ρ busy, a second of new work keeps it busy `1 / (1 − ρ)` seconds
-//! ([`crate::load::prefill_weight`]). On an idle fleet the two are the same.
+//! ([`crate::load::prefill_weight`]). On an idle fleet the two are the same. And the steps that
+//! carry its prefill are longer for every sequence running on that worker: `batch_delay_s` sums
+//! that delay, and `batch_delay_weight` says what a second of it is worth against a second of time
+//! to first token. Prefill sent to a worker already busy decoding for many sessions delays all of
+//! them, and brings that session's later turns there too.
 //!
 //! The cached owner wins only while the prefill it saves outweighs its queue. In `enforce`, the hard
 //! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
@@ -67,6 +74,9 @@ pub struct Terms {
     pub prefill_s: f64,
     /// Barrier seconds with cache credit.
     pub barrier_s: f64,
+    /// The uncached prefill seconds times the running sequences: the delay this prefill adds to
+    /// their next tokens, summed over them.
+    pub batch_delay_s: f64,
     /// The projected score with cache credit.
     pub projected_s: f64,
     /// The score with no cache credit (least_load).
@@ -80,9 +90,10 @@ impl Terms {
     }
 
     /// What `enforce` minimises: `projected_s` with the uncached prefill weighted by
-    /// `prefill_weight` ([`crate::load::prefill_weight`] of the fleet's load).
-    pub fn cost_s(&self, prefill_weight: f64) -> f64 {
-        self.projected_s + (prefill_weight - 1.0) * self.prefill_s
+    /// `prefill_weight` ([`crate::load::prefill_weight`] of the fleet's load), plus the delay it
+    /// adds to the running batch weighted by `batch_delay_weight`.
+    pub fn cost_s(&self, prefill_weight: f64, batch_delay_weight: f64) -> f64 {
+        self.projected_s + (prefill_weight - 1.0) * self.prefill_s + batch_delay_weight * self.batch_delay_s
     }
 }
 
@@ -126,6 +137,7 @@ pub fn score(load: &WorkerLoad, ask: Ask, cfg: &PolicyConfig) -> Terms {
         decode_s,
         prefill_s,
         barrier_s,
+        batch_delay_s: prefill_s * load.running_requests as f64,
         projected_s: wait_s + decode_s + prefill_s + barrier_s,
         load_only_s: wait_s + occupancy_s(load, prompt_tokens) + full_prefill_s + full_barrier_s,
     }
@@ -179,7 +191,8 @@ fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
     let scored = c.scored;
     if scored.iter().any(|s| s.cached_tokens > 0) {
         let cache_winner =
-            super::argmin(scored.len(), |i| scored[i].terms.cost_s(c.prefill_weight), c.draw).unwrap_or(c.load_winner);
+            super::argmin(scored.len(), |i| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight), c.draw)
+                .unwrap_or(c.load_winner);
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
         if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
             return (c.load_winner, Reason::Escape);
@@ -235,8 +248,21 @@ mod tests {
         let load = WorkerLoad { waiting_tokens: 20_000, ..idle() };
         let t = score(&load, ask(10_000, 2_000, 100), &cfg);
         // 8,000 uncached tokens are 0.4 s of this request's time and, at weight 3, 1.2 s of the fleet's.
-        assert!((t.cost_s(3.0) - t.projected_s - 2.0 * 0.4).abs() < 1e-12, "{t:?}");
-        assert_eq!(t.cost_s(1.0), t.projected_s, "an idle fleet: cost = projected");
+        assert!((t.cost_s(3.0, 0.0) - t.projected_s - 2.0 * 0.4).abs() < 1e-12, "{t:?}");
+        assert_eq!(t.cost_s(1.0, 0.0), t.projected_s, "an idle fleet: cost = projected");
+    }
+
+    #[test]
+    fn prefill_on_a_worker_with_a_running_batch_counts_the_delay_it_adds_to_every_sequence() {
+        let cfg = PolicyConfig::projected(Mode::Enforce);
+        let idle_worker = score(&idle(), ask(10_000, 2_000, 100), &cfg);
+        assert_eq!(idle_worker.batch_delay_s, 0.0, "no one to delay");
+        let busy = score(&WorkerLoad { running_requests: 30, ..idle() }, ask(10_000, 2_000, 100), &cfg);
+        // 8,000 uncached tokens: 0.4 s more for each of the 30 running sequences.
+        assert!((busy.batch_delay_s - 12.0).abs() < 1e-12, "{busy:?}");
+        assert!((busy.cost_s(1.0, 0.15) - busy.projected_s - 0.15 * 12.0).abs() < 1e-12);
+        let cached = score(&WorkerLoad { running_requests: 30, ..idle() }, ask(10_000, 9_984, 100), &cfg);
+        assert!(cached.batch_delay_s < 0.03, "a cache hit delays the batch by its suffix only: {cached:?}");
     }
 
     #[test]

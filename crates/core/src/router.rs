@@ -196,14 +196,15 @@ impl Router {
         engine_time_s: f64,
         rank: Option<u32>,
     ) -> Result<(), CoreError> {
-        let calibrate = self.policy.read().calibrate;
+        // Calibration off costs one read of the policy per batch, not the fleet's lock.
+        if !self.policy.read().calibrate {
+            return Ok(());
+        }
         let mut fleet = self.fleet.lock();
         let worker = fleet.worker_mut(id)?;
-        if calibrate {
-            let running = worker.load().running_requests;
-            if worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank) {
-                fleet.refresh_measured_prefill();
-            }
+        let running = worker.load().running_requests;
+        if worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank) {
+            fleet.refresh_measured_prefill();
         }
         Ok(())
     }

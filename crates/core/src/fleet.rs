@@ -254,8 +254,12 @@ impl WorkerState {
     /// The prefill rate measured from this worker's own step cadence, within the correction bound,
     /// if there is one yet and it is off the configured rate by more than the dead band.
     pub(crate) fn measured_prefill_rate(&self) -> Option<f64> {
-        let configured = self.prefill.effective();
-        Some(outside_dead_band(configured, bounded_rate(configured, Some(self.steps.seconds_per_token()?))))
+        Some(outside_dead_band(self.prefill.effective(), self.step_measured_prefill_rate()?))
+    }
+
+    /// The prefill rate the step cadence measured, within the correction bound, dead band or not.
+    fn step_measured_prefill_rate(&self) -> Option<f64> {
+        Some(bounded_rate(self.prefill.effective(), Some(self.steps.seconds_per_token()?)))
     }
 
     /// The decode rate the router plans with: the calibrated one when it is off the configured one
@@ -356,10 +360,7 @@ impl WorkerState {
             peer_in_flight: self.peer_ledger.in_flight(),
             peer_reserved: self.peer_ledger.delta(),
             prefill_tokens_per_s: load.prefill_tps,
-            measured_prefill_tokens_per_s: self
-                .steps
-                .seconds_per_token()
-                .map(|s| bounded_rate(self.prefill.effective(), Some(s))),
+            measured_prefill_tokens_per_s: self.step_measured_prefill_rate(),
             decode_tokens_per_s: load.decode_tps,
         }
     }

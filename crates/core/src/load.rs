@@ -105,13 +105,13 @@ pub(crate) fn bounded_rate(configured: f64, slope: Option<f64>) -> f64 {
     }
 }
 
-/// A worker's prefill rate, calibrated from the times to first token of its requests.
+/// A worker's configured prefill rate, corrected by timings a caller reports through
+/// [`crate::Router::observe_rate`] (the router's own calibration measures the engine's step
+/// cadence instead: [`crate::step_cadence`]).
 ///
-/// A request whose engine had `p` prefill tokens to compute before its first token (the queue
-/// ahead and its own uncached prompt) took about `overhead + p / rate` seconds, the overhead being
-/// what does not grow with tokens: the step in progress when it arrived, per-step cost, the
-/// network. A line through (tokens, seconds) points gives the rate as the inverse of its slope, so
-/// the overhead does not pass for a slow engine.
+/// Work of `p` tokens takes about `overhead + p / rate` seconds, the overhead being what does not
+/// grow with tokens (per-step cost, the network). A line through (tokens, seconds) points gives the
+/// rate as the inverse of its slope, so the overhead does not pass for a slow engine.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Throughput {
     configured: f64,
@@ -138,9 +138,8 @@ impl Throughput {
     }
 
     /// The rate to plan with: the fitted rate within the correction bound; before the observations
-    /// allow a fit, their plain ratio (overhead included, so on the slow side), which still moves a
-    /// worker configured far too slow enough to draw the traffic that will calibrate it; the
-    /// configured value before any observation.
+    /// allow a fit, their plain ratio (overhead included, so on the slow side); the configured
+    /// value before any observation.
     pub fn effective(&self) -> f64 {
         match self.fit.slope() {
             Some(slope) => bounded_rate(self.configured, Some(slope)),

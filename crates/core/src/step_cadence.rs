@@ -16,7 +16,6 @@
 use std::collections::VecDeque;
 
 use kvgate_protocol::KvEvent;
-use serde::Serialize;
 
 /// Points kept: a minute of an engine taking a few requests a second. A shorter window often holds
 /// no step that missed the cache by much, and small steps alone leave the slope loose.
@@ -77,7 +76,7 @@ struct StepPoint {
 }
 
 /// What the envelope says a step costs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepCost {
     /// Seconds per prefill token.
     pub seconds_per_token: f64,
@@ -89,15 +88,12 @@ pub struct StepCost {
 }
 
 /// The prefill (and per-sequence) cost measured from one worker's event batches.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepCadence {
     /// The publisher (data-parallel rank) and engine time of the last batch.
-    #[serde(skip)]
     last: Option<(Option<u32>, f64)>,
     /// Newest last.
-    #[serde(skip)]
     points: VecDeque<StepPoint>,
-    #[serde(skip)]
     since_fit: u32,
     /// The fitted costs, once the points allow a fit.
     cost: Option<StepCost>,

@@ -279,11 +279,16 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// An address where nothing listens.
+/// An address where nothing listens, and nothing will while the test binary runs: the port stays
+/// bound by a socket that never listens, so connections to it are refused and neither a second
+/// `dead_url` nor another test's engine can be handed the same port (a port taken and dropped
+/// could be, and two "dead" engines once shared an id).
 pub async fn dead_url() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
+    static RESERVED: Mutex<Vec<tokio::net::TcpSocket>> = Mutex::new(Vec::new());
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    RESERVED.lock().push(socket);
     format!("http://{addr}")
 }
 

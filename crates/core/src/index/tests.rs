@@ -56,6 +56,27 @@ fn stored_chain_gives_overlap_in_blocks_and_removal_shortens_it() {
 }
 
 #[test]
+fn long_walks_count_every_held_key_across_lookup_runs() {
+    // Chains longer than one lookup run (16 keys), with ends and holes on and beside run boundaries.
+    let blocks = 3 * LOOKUP_RUN + 5;
+    let tokens: Vec<u32> = (0..(blocks * BS as usize) as u32).collect();
+    let hashes: Vec<u64> = (1..=blocks as u64).collect();
+    let mut index = KvIndex::new(BS);
+    let held = [blocks, LOOKUP_RUN, LOOKUP_RUN + 1, 2 * LOOKUP_RUN - 1];
+    for (w, &n) in held.iter().enumerate() {
+        index.add_worker(WorkerSlot(w as u32), KvState::Synced);
+        index.apply(WorkerSlot(w as u32), &stored(&hashes[..n], None, tokens[..n * BS as usize].to_vec()), T0);
+    }
+    let o = overlap_of(&index, &tokens);
+    for (w, &n) in held.iter().enumerate() {
+        assert_eq!(o[&WorkerSlot(w as u32)], n as u32, "worker {w}");
+    }
+    index.apply(WorkerSlot(0), &removed(&[2 * LOOKUP_RUN as u64 + 1]), T0);
+    assert_eq!(overlap_of(&index, &tokens)[&WorkerSlot(0)], 2 * LOOKUP_RUN as u32, "a hole ends the walk");
+    assert_eq!(overlap_of(&index, &tokens[..(LOOKUP_RUN + 3) * BS as usize])[&WorkerSlot(0)], LOOKUP_RUN as u32 + 3);
+}
+
+#[test]
 fn unknown_parent_drops_the_event_and_marks_the_worker_incomplete_until_cleared() {
     let mut index = KvIndex::new(BS);
     index.add_worker(W0, KvState::Synced);

@@ -37,8 +37,12 @@ const IRLS_ITERATIONS: usize = 30;
 /// A step computing this many times the median step's tokens anchors the slope ...
 const LARGE_STEP_FACTOR: f64 = 4.0;
 
-/// ... and a fit needs this many of them.
-const MIN_LARGE_STEPS: usize = 2;
+/// ... and a fit needs this many of them: with fewer, one of them spanning a silent step tilts the
+/// line (on the simulator, two or three read engines of 20k tokens/s at 12k–13k).
+const MIN_LARGE_STEPS: usize = 4;
+
+/// A size class of fewer points than this weighs that much less than a full one.
+const MIN_CLASS_WEIGHT_POINTS: u32 = 4;
 
 /// The running count must span this many sequences over the points before its cost is fitted.
 const MIN_RUNNING_SPREAD: f64 = 4.0;
@@ -169,26 +173,63 @@ fn lower_envelope(points: &VecDeque<StepPoint>) -> Option<StepCost> {
     if tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() < MIN_LARGE_STEPS {
         return None;
     }
+    let size_weights = size_class_weights(points);
     let (lo, hi) = points.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), p| (lo.min(p.running), hi.max(p.running)));
-    let with_running = hi - lo >= MIN_RUNNING_SPREAD;
-    // Quantile regression by iteratively reweighted least squares: each point weighs
-    // `τ / |r|` above the plane and `(1 − τ) / |r|` below it, which makes the weighted squares the
-    // check loss of the τ-quantile.
-    let mut weights = vec![1.0; points.len()];
-    let mut coef = [0.0; 3];
-    for _ in 0..IRLS_ITERATIONS {
-        coef = weighted_plane(points, &weights, with_running)?;
-        for (w, p) in weights.iter_mut().zip(points) {
-            let r = p.seconds - coef[0] - coef[1] * p.tokens - coef[2] * p.running;
-            let side = if r > 0.0 { ENVELOPE_QUANTILE } else { 1.0 - ENVELOPE_QUANTILE };
-            *w = side / r.abs().max(1e-4);
+    if hi - lo >= MIN_RUNNING_SPREAD {
+        let coef = quantile_plane(points, &size_weights, true)?;
+        // A sequence cannot make a step faster. A negative cost per sequence means the running count
+        // stood in for the tokens (large steps with few sequences, small ones with many): the plane
+        // then tilts, and read an engine of 20k tokens/s at 33k on the simulator. The fit constrained
+        // to a cost of at least zero is the fit without the running count.
+        if coef[2] >= 0.0 {
+            return step_cost(coef, true);
         }
     }
+    step_cost(quantile_plane(points, &size_weights, false)?, false)
+}
+
+/// The costs a fitted plane `[per step, per token, per sequence]` states, when its token slope is
+/// a cost.
+fn step_cost(coef: [f64; 3], with_running: bool) -> Option<StepCost> {
     let [_, per_token, per_sequence] = coef;
     (per_token.is_finite() && per_token > 0.0).then_some(StepCost {
         seconds_per_token: per_token,
         seconds_per_sequence: (with_running && per_sequence.is_finite() && per_sequence > 0.0).then_some(per_sequence),
     })
+}
+
+/// The `ENVELOPE_QUANTILE` plane of `seconds` over `[1, tokens, running]` (running left out unless
+/// `with_running`), each point's check loss weighed by its `size_weights` entry.
+fn quantile_plane(points: &VecDeque<StepPoint>, size_weights: &[f64], with_running: bool) -> Option<[f64; 3]> {
+    // Quantile regression by iteratively reweighted least squares: each point weighs
+    // `τ / |r|` above the plane and `(1 − τ) / |r|` below it, which makes the weighted squares the
+    // check loss of the τ-quantile.
+    let mut weights = size_weights.to_vec();
+    let mut coef = [0.0; 3];
+    for _ in 0..IRLS_ITERATIONS {
+        coef = weighted_plane(points, &weights, with_running)?;
+        for ((w, p), size_weight) in weights.iter_mut().zip(points).zip(size_weights) {
+            let r = p.seconds - coef[0] - coef[1] * p.tokens - coef[2] * p.running;
+            let side = if r > 0.0 { ENVELOPE_QUANTILE } else { 1.0 - ENVELOPE_QUANTILE };
+            *w = size_weight * side / r.abs().max(1e-4);
+        }
+    }
+    Some(coef)
+}
+
+/// Each point's weight in the fit: one over the number of points of its size class (tokens within
+/// a factor of two), so every class of step size weighs about the same in total. Small steps are
+/// most of the points and most of them span a silent step: weighed one point one vote, their floor
+/// sat a step's time above the true line and tilted it (a simulated engine of 20k tokens/s read
+/// 31k). A class of fewer than [`MIN_CLASS_WEIGHT_POINTS`] weighs less, so that one large step
+/// that spanned a silent one cannot tilt the line the other way alone.
+fn size_class_weights(points: &VecDeque<StepPoint>) -> Vec<f64> {
+    let class = |p: &StepPoint| p.tokens.max(1.0).log2().floor() as usize;
+    let mut counts = [0u32; 64];
+    for p in points {
+        counts[class(p).min(63)] += 1;
+    }
+    points.iter().map(|p| 1.0 / f64::from(counts[class(p).min(63)].max(MIN_CLASS_WEIGHT_POINTS))).collect()
 }
 
 /// Weighted least squares of `seconds` on `[1, tokens, running]` (the last left out, its
@@ -273,6 +314,47 @@ mod tests {
             let per_sequence = c.cost.and_then(|c| c.seconds_per_sequence).expect("the running count varied");
             assert!((per_sequence / PER_SEQUENCE_S - 1.0).abs() < 0.2, "{per_sequence} s per sequence");
         }
+    }
+
+    #[test]
+    fn every_size_of_step_weighs_alike_in_the_fit() {
+        // A window recorded from the simulator (multi-prefix, seed 3, an engine of 20k tokens/s):
+        // most steps store a block or two and most pairs of them span a silent step, so their
+        // floor sits a step above the line; five whole prompts sit on it. Weighed one point one
+        // vote, the small steps tilted the line (32.9k with the running count, 30.9k without).
+        let points: VecDeque<StepPoint> = include_str!("../testdata/step_window_multi_prefix_seed3.txt")
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| {
+                let v: Vec<f64> = l.split_whitespace().map(|x| x.parse().expect("a number")).collect();
+                StepPoint { tokens: v[0], running: v[1], seconds: v[2] }
+            })
+            .collect();
+        assert_eq!(points.len(), 240);
+        let one_vote_each = 1.0 / quantile_plane(&points, &vec![1.0; points.len()], false).expect("a plane")[1];
+        assert!(one_vote_each > 30_000.0, "the case under test: {one_vote_each:.0}");
+        let measured = 1.0 / lower_envelope(&points).expect("a fit").seconds_per_token;
+        assert!((measured / 20_000.0 - 1.0).abs() < 0.05, "measured {measured:.0} for 20,000");
+    }
+
+    #[test]
+    fn a_negative_cost_per_sequence_leaves_the_running_count_out() {
+        // Steps that look faster with more sequences: the running count stands in for something
+        // else, and the fit falls back to tokens alone.
+        let rate = 20_000.0;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let points: VecDeque<StepPoint> = (0..STEP_WINDOW)
+            .map(|i| {
+                let tokens =
+                    64.0 * if i % 8 == 0 { rng.random_range(64..=128) } else { rng.random_range(1..=16) } as f64;
+                let running = rng.random_range(0..=40) as f64;
+                StepPoint { tokens, running, seconds: 0.040 + tokens / rate - 0.000_5 * running }
+            })
+            .collect();
+        assert!(quantile_plane(&points, &size_class_weights(&points), true).expect("a plane")[2] < 0.0);
+        let cost = lower_envelope(&points).expect("a fit");
+        assert_eq!(cost.seconds_per_sequence, None);
+        assert!(cost.seconds_per_token > 0.0);
     }
 
     #[test]

@@ -104,11 +104,13 @@ impl Gateway {
     /// Prompt tokens kvgate credits as cached on worker `id` for `body`.
     pub async fn credit(&self, body: &Value, id: &str) -> anyhow::Result<u64> {
         let d = self.preview(body).await?;
-        d["scores"]
-            .as_array()
-            .and_then(|s| s.iter().find(|s| s["worker"] == id))
-            .and_then(|s| s["cached_tokens"].as_u64())
-            .with_context(|| format!("no score for {id} in {d}"))
+        scored_credit(&d, id).with_context(|| format!("no score for {id} in {d}"))
+    }
+
+    /// Like [`Gateway::credit`], but `None` while `id` is not scored (out of rotation: a health
+    /// check of an engine busy on two shared cores can time out).
+    pub async fn credit_if_scored(&self, body: &Value, id: &str) -> anyhow::Result<Option<u64>> {
+        Ok(scored_credit(&self.preview(body).await?, id))
     }
 
     /// `POST /admin/tokenize`: kvgate's token ids for `body`.
@@ -229,4 +231,9 @@ pub fn cached_tokens(response: &Value) -> u64 {
 pub async fn engine_metric(base: &str, name: &str) -> anyhow::Result<f64> {
     let text = http().get(format!("{base}/metrics")).send().await?.text().await?;
     Ok(kvgate_protocol::prometheus::samples(&text).filter(|s| s.name == name).map(|s| s.value).sum())
+}
+
+/// The cached tokens a decision preview credits worker `id` with, if it scored `id`.
+fn scored_credit(decision: &Value, id: &str) -> Option<u64> {
+    decision["scores"].as_array()?.iter().find(|s| s["worker"] == id)?["cached_tokens"].as_u64()
 }

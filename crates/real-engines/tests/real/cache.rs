@@ -39,14 +39,16 @@ pub async fn settled_credit(gw: &Gateway, body: &Value, worker: &str) -> anyhow:
     let mut last = (0u64, std::time::Instant::now());
     let deadline = std::time::Instant::now() + SETTLE;
     loop {
-        let c = gw.credit(body, worker).await?;
-        if c != last.0 {
-            last = (c, std::time::Instant::now());
-        } else if c > 0 && last.1.elapsed() > Duration::from_millis(500) {
-            return Ok(c);
+        // A worker briefly out of rotation (a health check that timed out on the shared cores)
+        // is not scored; its credit is read once it is back.
+        match gw.credit_if_scored(body, worker).await? {
+            Some(c) if c != last.0 => last = (c, std::time::Instant::now()),
+            Some(c) if c > 0 && last.1.elapsed() > Duration::from_millis(500) => return Ok(c),
+            _ => {}
         }
         if std::time::Instant::now() > deadline {
-            bail!("kvgate's credit for {worker} never settled above 0 (last {})", last.0);
+            let status = gw.worker(worker).await?;
+            bail!("kvgate's credit for {worker} never settled above 0 (last {}); the worker: {status}", last.0);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -224,12 +224,12 @@ fn quantile_plane(points: &VecDeque<StepPoint>, size_weights: &[f64], with_runni
 /// 31k). A class of fewer than [`MIN_CLASS_WEIGHT_POINTS`] weighs less, so that one large step
 /// that spanned a silent one cannot tilt the line the other way alone.
 fn size_class_weights(points: &VecDeque<StepPoint>) -> Vec<f64> {
-    let class = |p: &StepPoint| p.tokens.max(1.0).log2().floor() as usize;
+    let class = |p: &StepPoint| (p.tokens.max(1.0).log2().floor() as usize).min(63);
     let mut counts = [0u32; 64];
     for p in points {
-        counts[class(p).min(63)] += 1;
+        counts[class(p)] += 1;
     }
-    points.iter().map(|p| 1.0 / f64::from(counts[class(p).min(63)].max(MIN_CLASS_WEIGHT_POINTS))).collect()
+    points.iter().map(|p| 1.0 / f64::from(counts[class(p)].max(MIN_CLASS_WEIGHT_POINTS))).collect()
 }
 
 /// Weighted least squares of `seconds` on `[1, tokens, running]` (the last left out, its
@@ -339,22 +339,26 @@ mod tests {
 
     #[test]
     fn a_negative_cost_per_sequence_leaves_the_running_count_out() {
-        // Steps that look faster with more sequences: the running count stands in for something
-        // else, and the fit falls back to tokens alone.
+        // Steps that look faster with more sequences, and the large steps run with few: the
+        // running count stands in for step size, and the fit falls back to tokens alone.
         let rate = 20_000.0;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
         let points: VecDeque<StepPoint> = (0..STEP_WINDOW)
             .map(|i| {
-                let tokens =
-                    64.0 * if i % 8 == 0 { rng.random_range(64..=128) } else { rng.random_range(1..=16) } as f64;
-                let running = rng.random_range(0..=40) as f64;
-                StepPoint { tokens, running, seconds: 0.040 + tokens / rate - 0.000_5 * running }
+                let large = i % 8 == 0;
+                let tokens = 64.0 * if large { rng.random_range(64..=128) } else { rng.random_range(1..=16) } as f64;
+                let running = if large { rng.random_range(0..=5) } else { rng.random_range(30..=40) } as f64;
+                StepPoint { tokens, running, seconds: 0.060 + tokens / rate - 0.001 * running }
             })
             .collect();
-        assert!(quantile_plane(&points, &size_class_weights(&points), true).expect("a plane")[2] < 0.0);
+        let weights = size_class_weights(&points);
+        let free = quantile_plane(&points, &weights, true).expect("a plane");
+        let tokens_only = quantile_plane(&points, &weights, false).expect("a plane");
+        assert!(free[2] < 0.0, "the case under test: a negative cost per sequence, {free:?}");
+        assert!((free[1] / tokens_only[1] - 1.0).abs() > 0.05, "the two fits must differ: {free:?} {tokens_only:?}");
         let cost = lower_envelope(&points).expect("a fit");
+        assert_eq!(cost.seconds_per_token, tokens_only[1], "the token-only fit's slope, not the free plane's");
         assert_eq!(cost.seconds_per_sequence, None);
-        assert!(cost.seconds_per_token > 0.0);
     }
 
     #[test]

@@ -200,11 +200,24 @@ impl Router {
         if !self.policy.read().calibrate {
             return Ok(());
         }
+        let window = {
+            let mut fleet = self.fleet.lock();
+            let worker = fleet.worker_mut(id)?;
+            let running = worker.load().running_requests;
+            worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank)
+        };
+        let Some(window) = window else {
+            return Ok(());
+        };
+        // The refit (tens of microseconds) runs with the lock let go, so no decision waits on it.
+        // One worker's batches come from one stream, one at a time, so no newer fit can be
+        // overwritten by this one; a worker removed meanwhile has nothing to install it in.
+        let cost = window.fit();
         let mut fleet = self.fleet.lock();
-        let worker = fleet.worker_mut(id)?;
-        let running = worker.load().running_requests;
-        if worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank) {
-            fleet.refresh_measured_prefill();
+        if let Ok(worker) = fleet.worker_mut(id) {
+            if worker.steps.set_fit(cost) {
+                fleet.refresh_measured_prefill();
+            }
         }
         Ok(())
     }

@@ -121,13 +121,14 @@ impl StepCadence {
     /// A batch that computed `tokens` prompt tokens, with `running` sequences in the engine's batch,
     /// was published at `engine_time_s` (seconds, the engine's clock) by publisher `rank`. Batches
     /// of different ranks, out of order, or far apart start a new pair instead of making a point.
-    /// Returns whether the fit changed.
-    pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> bool {
+    /// Returns the window to fit when a refit is due: the caller fits it ([`StepWindow::fit`]),
+    /// outside any lock it holds, and hands the result to [`StepCadence::set_fit`].
+    pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> Option<StepWindow> {
         if !engine_time_s.is_finite() {
-            return false;
+            return None;
         }
         self.computed_total = self.computed_total.saturating_add(tokens);
-        let mut refitted = false;
+        let mut due = None;
         if let Some((last_rank, last_time)) = self.last {
             let seconds = engine_time_s - last_time;
             if last_rank == rank && tokens > 0 && seconds > 0.0 && seconds <= MAX_STEP_SECONDS {
@@ -138,15 +139,24 @@ impl StepCadence {
                 self.since_fit += 1;
                 if self.points.len() >= MIN_STEP_POINTS && self.since_fit >= REFIT_EVERY {
                     self.since_fit = 0;
-                    if let Some(cost) = lower_envelope(&self.points) {
-                        refitted = self.cost != Some(cost);
-                        self.cost = Some(cost);
-                    }
+                    due = Some(StepWindow { points: self.points.clone() });
                 }
             }
         }
         self.last = Some((rank, engine_time_s));
-        refitted
+        due
+    }
+
+    /// Installs the fit of a window [`StepCadence::observe`] handed out. Returns whether the
+    /// measured cost changed. A window with no fit (too few large steps) leaves the last fit.
+    pub fn set_fit(&mut self, cost: Option<StepCost>) -> bool {
+        match cost {
+            Some(cost) if self.cost != Some(cost) => {
+                self.cost = Some(cost);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Prompt tokens the engine computed in all the live batches seen so far: the difference over
@@ -158,6 +168,19 @@ impl StepCadence {
     /// The measured seconds per prefill token, once there is a fit.
     pub fn seconds_per_token(&self) -> Option<f64> {
         self.cost.map(|c| c.seconds_per_token)
+    }
+}
+
+/// A copy of a worker's step points, to fit away from the lock that guards the worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepWindow {
+    points: VecDeque<StepPoint>,
+}
+
+impl StepWindow {
+    /// The envelope of the window's points, when they allow one (see [`StepCadence`]).
+    pub fn fit(&self) -> Option<StepCost> {
+        lower_envelope(&self.points)
     }
 }
 
@@ -300,7 +323,9 @@ mod tests {
             // Busy steps are small ones: the running batch is larger when the step computes less.
             let running = if tokens < 1_024 { rng.random_range(20..=60u64) } else { rng.random_range(0..=10u64) };
             t += step(&mut rng) + running as f64 * PER_SEQUENCE_S + tokens as f64 / rate;
-            cadence.observe(tokens, running, t, None);
+            if let Some(window) = cadence.observe(tokens, running, t, None) {
+                cadence.set_fit(window.fit());
+            }
         }
     }
 
@@ -368,7 +393,9 @@ mod tests {
         assert_eq!(c.seconds_per_token(), None);
         let mut same = StepCadence::default();
         for i in 0..200 {
-            same.observe(512, 8, f64::from(i) * 0.05, None);
+            if let Some(window) = same.observe(512, 8, f64::from(i) * 0.05, None) {
+                same.set_fit(window.fit());
+            }
         }
         assert_eq!(same.seconds_per_token(), None);
     }

@@ -53,6 +53,9 @@ pub enum Reason {
     LoadOnly,
     /// `enforce` escaped from the cache winner to the load-only winner.
     Escape,
+    /// `enforce` sent the request to the load-only winner to make it a new copy of a hot prefix:
+    /// the time the copy saves the prefix's later requests outweighs what it costs this one.
+    Replicate,
     /// Cache credit was withheld because telemetry could not be trusted; the decision is load-only.
     Fallback(FallbackReason),
     /// `shadow`: dispatched as `off`, the enforce choice recorded beside it.
@@ -68,6 +71,7 @@ impl Reason {
             Reason::CacheAndLoad => "cache_and_load",
             Reason::LoadOnly => "load_only",
             Reason::Escape => "escape",
+            Reason::Replicate => "replicate",
             Reason::Fallback(FallbackReason::Missing) => "fallback:missing",
             Reason::Fallback(FallbackReason::Stale) => "fallback:stale",
             Reason::Fallback(FallbackReason::Incomplete) => "fallback:incomplete",

@@ -384,6 +384,8 @@ pub(crate) struct Fleet {
     pub(crate) peers: crate::replicas::PeerBook,
     /// The prefill sent to the fleet, by this router and its peers: the fleet's load.
     pub(crate) demand: crate::load::PrefillDemand,
+    /// How often each cached prefix is asked for: what a new copy of it would serve.
+    pub(crate) prefix_demand: crate::prefix_demand::PrefixDemand,
     /// This router's reservation changes not yet taken for sharing (`None`: not sharing).
     pub(crate) outbox: Option<crate::outbox::Outbox>,
 }

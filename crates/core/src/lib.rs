@@ -15,8 +15,9 @@
 //! - [`load`], [`ledger`]: engine load reports, throughput estimates, and the reservation ledger
 //!   that reconciles with them without double counting; [`step_cadence`]: the prefill rate an
 //!   engine shows in the timing of its own KV event batches.
-//! - [`policy`]: `least_load`, `projected` (with the KV barrier and the hard escape) and the
-//!   `cache_aware` baseline; knobs with their bounds.
+//! - [`policy`]: `least_load`, `projected` (with the KV barrier, the hard escape and copies of hot
+//!   prefixes) and the `cache_aware` baseline; knobs with their bounds. [`prefix_demand`]: how
+//!   often each cached prefix is asked for, which the copies are weighed with.
 //! - [`decision`]: decision records and reasons.
 //! - [`router`]: the object that ties them together behind one lock per concern.
 //! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own;
@@ -70,6 +71,7 @@ pub mod ledger;
 pub mod load;
 pub mod outbox;
 pub mod policy;
+pub mod prefix_demand;
 pub mod replicas;
 pub mod router;
 pub mod step_cadence;

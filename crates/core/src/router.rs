@@ -356,6 +356,10 @@ impl Router {
         let (scored, prefill_weight) = self.score_all(fleet, req, now, &cfg);
         let load_winner =
             least_load::pick(scored.len(), |i| &scored[i].terms, draw).ok_or(DecideError::NoEligibleWorker)?;
+        // The request's longest prefix that a worker holds (with credit), named by its last block.
+        let deepest = scored.iter().map(|s| s.cached_tokens).max().unwrap_or(0) / u64::from(self.block_size.max(1));
+        let hot_prefix = (deepest as usize).checked_sub(1).and_then(|i| req.keys.get(i)).copied();
+        let heat = hot_prefix.map(|key| fleet.prefix_demand.heat(key, now)).unwrap_or_default();
 
         let mut choosing = Choosing {
             scored: &scored,
@@ -367,6 +371,7 @@ impl Router {
             routed: &|slot| fleet.workers[slot.index()].as_ref().map_or(0, |w| w.routed),
             turn: fleet.turns,
             seeds: if commit { SeedBook::Commit(&mut fleet.seeds) } else { SeedBook::Peek(&fleet.seeds) },
+            heat,
         };
         let Choice { chosen, reason, enforce } = policy_for(cfg.name).choose(&mut choosing);
 
@@ -383,6 +388,9 @@ impl Router {
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.demand.add(work.prefill_tokens, now);
+            if let Some(key) = hot_prefix {
+                fleet.prefix_demand.add(key, now);
+            }
             fleet.requests.insert(req.id, winner.slot);
             fleet.turns += 1;
             if fleet.outbox.is_some() {

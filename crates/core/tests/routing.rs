@@ -353,3 +353,51 @@ fn calibration_learns_a_worker_prefill_rate_and_decisions_show_the_rate_used() {
     let off = calibrate_against(PolicyConfig::projected(Mode::Enforce), 8_000.0);
     assert_eq!(off.scores[0].prefill_tokens_per_s, 20_000.0, "calibration off plans with the configured rate");
 }
+
+/// w0 decodes for 30 sequences and holds each prompt but its last 100 tokens just before it comes;
+/// w1 is idle and holds nothing. Requests for `prompt_of(i)` arrive every 100 ms and are released
+/// at once. Returns each decision's (seconds since the first, worker, reason).
+fn ten_a_second(policy: PolicyConfig, prompt_of: impl Fn(u64) -> Vec<u32>) -> Vec<(f64, String, Reason)> {
+    let router = fleet(2, policy);
+    (0..200u64)
+        .map(|i| {
+            let now = Timestamp::from_millis(i * 100);
+            router.update_load(&wid(0), LoadSnapshot { observed_at: now, ..busy(0, 0, 30, 9_000) }).unwrap();
+            router.update_load(&wid(1), LoadSnapshot { observed_at: now, ..idle() }).unwrap();
+            let prompt = prompt_of(i);
+            store(&router, &wid(0), &prompt[..prompt.len() - 100]);
+            let d = decide(&router, &Req::new(&router, i, &prompt, 64), now);
+            router.release(d.request, now).unwrap();
+            (i as f64 / 10.0, d.worker.as_str().to_owned(), d.reason)
+        })
+        .collect()
+}
+
+#[test]
+fn a_prefix_asked_for_long_and_often_is_copied_to_the_idle_load_winner() {
+    let prefix = tokens("shared system prompt", 8192);
+    let decisions = ten_a_second(PolicyConfig::projected(Mode::Enforce), |i| hot_prompt(&prefix, i, 100));
+    // A copy costs this request 0.4 s of prefill. It saves each later request of the prefix
+    // (30 − 0) / 2,000 / 2 = 7.5 ms: at 10 a second, once the prefix has been hot for ~5 s.
+    let first_copy = decisions.iter().position(|d| d.2 == Reason::Replicate).expect("a copy within 20 s");
+    let (at, worker, _) = &decisions[first_copy];
+    assert!((4.0..8.0).contains(at), "the first copy at {at} s");
+    assert_eq!(worker, wid(1).as_str());
+    assert!(
+        decisions[..first_copy].iter().all(|d| d.1 == wid(0).as_str() && d.2 == Reason::CacheAndLoad),
+        "before it pays, the holder serves: {decisions:?}"
+    );
+    // Turned off, the holder serves every request.
+    let off = PolicyConfig { replication_horizon_s: 0.0, ..PolicyConfig::projected(Mode::Enforce) };
+    let decisions = ten_a_second(off, |i| hot_prompt(&prefix, i, 100));
+    assert!(decisions.iter().all(|d| d.1 == wid(0).as_str()), "{decisions:?}");
+}
+
+#[test]
+fn a_session_growing_its_own_prefix_is_never_taken_for_a_hot_one() {
+    // Each request extends the one before it by a turn: its longest cached prefix is new every time.
+    let history = tokens("one long session", 8192 + 200 * 128);
+    let decisions =
+        ten_a_second(PolicyConfig::projected(Mode::Enforce), |i| history[..8192 + 128 * (i as usize + 1)].to_vec());
+    assert!(decisions.iter().all(|d| d.1 == wid(0).as_str() && d.2 == Reason::CacheAndLoad), "{decisions:?}");
+}

@@ -48,6 +48,8 @@ pub struct Metrics {
     pub shadow_disagreements: Counter,
     /// Escapes to the load-only winner (enforce, or would-be in shadow).
     pub escapes: Counter,
+    /// New copies of a hot prefix made on the load-only winner (enforce, or would-be in shadow).
+    pub replications: Counter,
     /// Fallbacks to load-only by reason (enforce, or would-be in shadow).
     pub fallbacks: Family<ReasonLabel, Counter>,
     /// Upstream time to first byte, by engine.
@@ -111,6 +113,12 @@ impl Metrics {
         );
         let escapes = Counter::default();
         registry.register("escapes", "Escapes from the cache winner to the load-only winner", escapes.clone());
+        let replications = Counter::default();
+        registry.register(
+            "replications",
+            "Requests sent to the load-only winner to copy a hot prefix there",
+            replications.clone(),
+        );
         let fallbacks = Family::<ReasonLabel, Counter>::default();
         registry.register("fallbacks", "Load-only fallbacks by telemetry problem", fallbacks.clone());
         let upstream_ttft =
@@ -188,6 +196,7 @@ impl Metrics {
             decisions,
             shadow_disagreements,
             escapes,
+            replications,
             fallbacks,
             upstream_ttft,
             upstream_duration,

@@ -468,6 +468,7 @@ async fn metrics_cover_requests_decisions_and_engines() {
         "kvgate_projected_seconds{engine=",
         "kvgate_shadow_disagreements_total 0",
         "kvgate_escapes_total 0",
+        "kvgate_replications_total 0",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }

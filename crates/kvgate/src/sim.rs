@@ -91,6 +91,10 @@ pub struct SimArgs {
     /// sequences [default: 0.15; 0 turns it off].
     #[arg(long)]
     batch_delay_weight: Option<f64>,
+    /// Projected policy: longest a hot prefix is expected to stay hot when weighing a new copy of
+    /// it, seconds [default: 600; 0 turns copying off].
+    #[arg(long)]
+    replication_horizon_s: Option<f64>,
     /// Router admission: reject above this projected wait in seconds (0 disables).
     #[arg(long, default_value_t = 30.0)]
     admission_wait_s: f64,
@@ -321,6 +325,7 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
     knobs.prefill_weight_max = a.prefill_weight_max.unwrap_or(knobs.prefill_weight_max);
     knobs.batch_delay_weight = a.batch_delay_weight.unwrap_or(knobs.batch_delay_weight);
+    knobs.replication_horizon_s = a.replication_horizon_s.unwrap_or(knobs.replication_horizon_s);
     knobs.calibrate = a.calibrate;
     knobs.validate()?;
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {

@@ -239,6 +239,14 @@ pub const BATCH_DELAY_WEIGHT: Knob = Knob {
     default: 0.15,
     meaning: "enforce adds this weight × uncached prefill seconds × running sequences: the steps that carry the prefill delay every running sequence's next token; 0 turns it off",
 };
+/// Longest a hot prefix is expected to stay hot when weighing a new copy of it.
+pub const REPLICATION_HORIZON_S: Knob = Knob {
+    name: "replication_horizon_s",
+    min: 0.0,
+    max: 86_400.0,
+    default: 600.0,
+    meaning: "enforce copies a hot prefix to the load-only winner when the time the copy would save the prefix's requests over min(its age, this horizon) exceeds what the copy costs this request; 0 turns copying off",
+};
 /// SMG cache_aware absolute balance gate.
 pub const BALANCE_ABS: Knob = Knob {
     name: "balance_abs",
@@ -267,6 +275,7 @@ pub const KNOBS: &[Knob] = &[
     KV_BARRIER_SCALE_S,
     PREFILL_WEIGHT_MAX,
     BATCH_DELAY_WEIGHT,
+    REPLICATION_HORIZON_S,
     BALANCE_ABS,
     BALANCE_REL,
 ];
@@ -298,6 +307,8 @@ pub struct PolicyConfig {
     pub prefill_weight_max: f64,
     /// See [`BATCH_DELAY_WEIGHT`].
     pub batch_delay_weight: f64,
+    /// See [`REPLICATION_HORIZON_S`].
+    pub replication_horizon_s: f64,
     /// See [`BALANCE_ABS`].
     pub balance_abs: u64,
     /// See [`BALANCE_REL`].
@@ -325,6 +336,7 @@ impl PolicyConfig {
             kv_barrier_scale_s: KV_BARRIER_SCALE_S.default,
             prefill_weight_max: PREFILL_WEIGHT_MAX.default,
             batch_delay_weight: BATCH_DELAY_WEIGHT.default,
+            replication_horizon_s: REPLICATION_HORIZON_S.default,
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
             distribution_seeding: false,
@@ -347,6 +359,7 @@ impl PolicyConfig {
         KV_BARRIER_SCALE_S.check(self.kv_barrier_scale_s)?;
         PREFILL_WEIGHT_MAX.check(self.prefill_weight_max)?;
         BATCH_DELAY_WEIGHT.check(self.batch_delay_weight)?;
+        REPLICATION_HORIZON_S.check(self.replication_horizon_s)?;
         BALANCE_ABS.check(self.balance_abs as f64)?;
         BALANCE_REL.check(self.balance_rel)?;
         if self.distribution_seeding && self.name != PolicyName::CacheAware {
@@ -402,6 +415,8 @@ pub struct PolicyPatch {
     pub prefill_weight_max: Option<f64>,
     /// See [`BATCH_DELAY_WEIGHT`].
     pub batch_delay_weight: Option<f64>,
+    /// See [`REPLICATION_HORIZON_S`].
+    pub replication_horizon_s: Option<f64>,
     /// See [`BALANCE_ABS`].
     pub balance_abs: Option<u64>,
     /// See [`BALANCE_REL`].
@@ -431,6 +446,7 @@ impl PolicyPatch {
         cfg.kv_barrier_scale_s = self.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
         cfg.prefill_weight_max = self.prefill_weight_max.unwrap_or(cfg.prefill_weight_max);
         cfg.batch_delay_weight = self.batch_delay_weight.unwrap_or(cfg.batch_delay_weight);
+        cfg.replication_horizon_s = self.replication_horizon_s.unwrap_or(cfg.replication_horizon_s);
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
         cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);
@@ -501,6 +517,8 @@ pub(crate) struct Choosing<'a> {
     pub(crate) turn: u64,
     /// Distribution seeding's pins.
     pub(crate) seeds: SeedBook<'a>,
+    /// The demand for the longest prefix of the request that a worker holds (zero when none does).
+    pub(crate) heat: crate::prefix_demand::PrefixHeat,
 }
 
 /// What a policy chose, as indices into [`Choosing::scored`].

@@ -33,6 +33,11 @@
 //! The cached owner wins only while the prefill it saves outweighs its queue. In `enforce`, the hard
 //! escape hands the request to the load-only winner when the cache winner's queue (wait + decode)
 //! or waiting count exceeds the load-only winner's by more than `escape_seconds` / `escape_waiting`.
+//!
+//! Each request on its own is best served by a holder of its prefix, so a hot prefix's holders
+//! would carry its whole traffic for good. `enforce` also sends a request to the load-only winner
+//! when that makes it a copy of the hot prefix worth more to the prefix's later requests than it
+//! costs this one (reason `replicate`; docs/routing.md, "Copying a hot prefix").
 
 use crate::decision::Reason;
 use crate::policy::{Choice, Choosing, Mode, Policy, PolicyConfig, KV_BARRIER_MAX_S};
@@ -158,6 +163,30 @@ fn occupancy_s(load: &WorkerLoad, new_tokens: u64) -> f64 {
     riding + slot_wait
 }
 
+/// Whether a new copy of the request's hot prefix on the load-only winner saves the prefix's later
+/// requests more than it costs this one (see the module docs).
+///
+/// With `k` workers holding the prefix, each carries about `1 / k` of its requests and of their
+/// running decodes. A copy on the load-only winner takes its share: every later request of the
+/// prefix rides steps with about `(running on the holder − running on the load winner) / (k + 1)`
+/// fewer sequences, each costing `1 / decode_tps` of a step. Over the time the prefix stays hot
+/// (taken to be as long as it has been hot so far, up to `replication_horizon_s`) its `rate`
+/// requests save that much each; the copy costs this request the difference of the two costs.
+fn copy_pays(c: &Choosing<'_>, cache_winner: usize) -> bool {
+    let (w, l) = (&c.scored[cache_winner], &c.scored[c.load_winner]);
+    let horizon_s = c.heat.age_s.min(c.cfg.replication_horizon_s);
+    let deepest = c.scored.iter().map(|s| s.cached_tokens).max().unwrap_or(0);
+    // Only the holder of the hot prefix itself is copied from, and only to a worker without it.
+    if horizon_s <= 0.0 || w.cached_tokens < deepest || l.cached_tokens >= deepest {
+        return false;
+    }
+    let holders = c.scored.iter().filter(|s| s.cached_tokens >= deepest).count() as f64;
+    let crowding_s = (w.load.running_requests as f64 - l.load.running_requests as f64) / w.load.decode_tps;
+    let saved_s = c.heat.rate_per_s * horizon_s * crowding_s / (holders + 1.0);
+    let cost = |s: &super::Scored| s.terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
+    saved_s > cost(l) - cost(w)
+}
+
 /// Whether `enforce` must leave the cache winner for the load-only winner.
 pub fn escape_fires(
     cache_winner: (&Terms, &WorkerLoad),
@@ -196,6 +225,9 @@ fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
         if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
             return (c.load_winner, Reason::Escape);
+        }
+        if cache_winner != c.load_winner && copy_pays(c, cache_winner) {
+            return (c.load_winner, Reason::Replicate);
         }
         return (cache_winner, Reason::CacheAndLoad);
     }

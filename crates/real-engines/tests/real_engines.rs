@@ -56,6 +56,7 @@ fn main() -> ExitCode {
         real::cache::cache_credit_equals_the_engines_own_prefix_cache_hits,
         real::streaming::streaming_through_kvgate_is_byte_for_byte_what_the_engine_sent,
         real::routing::a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_become_owners,
+        real::routing::a_prefix_asked_for_steadily_is_copied_to_an_idle_peer_that_then_holds_it,
         real::cache::eviction_shrinks_credit_with_the_engines_block_removed_events,
         real::cache::a_prefix_cache_reset_clears_credit_through_all_blocks_cleared,
         real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,

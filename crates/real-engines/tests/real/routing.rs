@@ -1,11 +1,12 @@
 //! Routing on real engines: a prefix follows its owner while the owner is idle, and a burst that
-//! would queue on a small-KV owner spreads to its peers, which then own the prefix too.
+//! would queue on a small-KV owner spreads to its peers, which then own the prefix too; a prefix
+//! asked for steadily is copied to an idle peer once the copy pays.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{ensure, Context};
 use kvgate_real_engines::fleet::Fleet;
 use kvgate_real_engines::gateway::{engine_metric, http, post, test_overrides, Gateway};
 use kvgate_real_engines::text;
@@ -97,6 +98,107 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
             ensure!(credit > 800, "peer {peer} served the burst but is credited only {credit} tokens");
         }
     }
+    gw.stop().await;
+    Ok(())
+}
+
+/// Requests each holding a system prompt a real engine holds, sent by `clients` clients one after
+/// another until `stop` is set.
+fn stream_of(
+    gw: &Gateway,
+    system: &str,
+    clients: usize,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<u32>>> {
+    (0..clients)
+        .map(|client| {
+            let (url, system, stop) = (gw.url.clone(), system.to_owned(), stop.clone());
+            tokio::spawn(async move {
+                let mut sent = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut body = chat(&system, &format!("{sent}.{client}: and now?"));
+                    body["max_tokens"] = 24.into();
+                    body["ignore_eos"] = true.into();
+                    let status = http().post(format!("{url}/v1/chat/completions")).json(&body).send().await?.status();
+                    ensure!(status.is_success(), "a request of the stream failed with {status}");
+                    sent += 1;
+                }
+                Ok(sent)
+            })
+        })
+        .collect()
+}
+
+pub async fn a_prefix_asked_for_steadily_is_copied_to_an_idle_peer_that_then_holds_it(
+    fleet: Arc<Fleet>,
+) -> anyhow::Result<()> {
+    let (a, b) = (fleet.engine("a"), fleet.engine("b"));
+    let mut overrides = test_overrides(&[a, b]);
+    // Rates near what the CPU engines do (the calibration trial measures about 4-6k prefill tokens
+    // a second), so that a's running batch costs each request what it really does.
+    overrides.workers = [a, b]
+        .iter()
+        .map(|e| format!("{},prefill_tokens_per_s=5000,decode_tokens_per_s=200", e.worker_flag()))
+        .collect();
+    let gw = Gateway::start("", overrides).await?;
+    let system = text("steadily-asked-system-prompt", 320);
+    post(&a.url(), "/v1/chat/completions", &chat(&system, "seed")).await?;
+    settled_credit(&gw, &chat(&system, "probe"), "a").await?;
+
+    // Three clients ask for the prompt back to back. Each request on its own is best served by a,
+    // which holds the prompt (b would compute its ~900 tokens, 0.18 s, against a's running batch's
+    // few ms); once the prompt has been asked for long enough, a copy on b pays.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients = stream_of(&gw, &system, 3, &stop);
+    let started = std::time::Instant::now();
+    let mut copied = None;
+    while copied.is_none() && started.elapsed() < Duration::from_secs(90) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let log: Value = http().get(format!("{}/admin/decisions?limit=1000", gw.url)).send().await?.json().await?;
+        copied = log["decisions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["decision"]["reason"] == "replicate")
+            .map(|d| d["decision"].clone());
+    }
+    // A few seconds more traffic, now with two holders.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut sent = 0;
+    for c in clients {
+        sent += c.await??;
+    }
+    let log: Value = http().get(format!("{}/admin/decisions?limit=1000", gw.url)).send().await?.json().await?;
+    let mut reasons: BTreeMap<String, u32> = BTreeMap::new();
+    for d in log["decisions"].as_array().into_iter().flatten() {
+        let key = format!(
+            "{} {}",
+            d["decision"]["worker"].as_str().unwrap_or("?"),
+            d["decision"]["reason"].as_str().unwrap_or("?")
+        );
+        *reasons.entry(key).or_default() += 1;
+    }
+    eprintln!("    {sent} requests in {:.0} s: {reasons:?}", started.elapsed().as_secs_f64());
+    let copied = copied.with_context(|| format!("no copy of the prompt in 90 s of {sent} requests: {reasons:?}"))?;
+    ensure!(copied["worker"] == "b", "the copy went to {}, not the idle peer b", copied["worker"]);
+    let decisions: Vec<&Value> = log["decisions"].as_array().into_iter().flatten().map(|d| &d["decision"]).collect();
+    let before_copy = decisions.iter().take_while(|d| d["reason"] != "replicate");
+    ensure!(
+        before_copy.clone().all(|d| d["worker"] == "a"),
+        "before the copy a served the prompt: {:?}",
+        before_copy.map(|d| (&d["worker"], &d["reason"])).collect::<Vec<_>>()
+    );
+    ensure!(copied["cached_tokens"] == 0, "a copy computes the prompt: {copied}");
+
+    // b computed the prompt itself: its own KV events make it a holder.
+    let credit = settled_credit(&gw, &chat(&system, "after the copy"), "b").await?;
+    ensure!(credit > 800, "b made the copy but is credited only {credit} tokens");
+    let metrics = http().get(format!("{}/metrics", gw.url)).send().await?.text().await?;
+    ensure!(
+        metrics.lines().any(|l| l.starts_with("kvgate_replications_total ") && !l.ends_with(" 0")),
+        "kvgate_replications_total did not count the copy"
+    );
     gw.stop().await;
     Ok(())
 }

@@ -157,7 +157,8 @@ pub const DEMAND_WINDOW: std::time::Duration = std::time::Duration::from_secs(20
 
 /// The prefill the fleet is being sent, in tokens per second: an exponentially decayed sum of every
 /// decision's uncached prompt tokens (this router's and, when replicas share reservations, its
-/// peers'), over [`DEMAND_WINDOW`].
+/// peers'), over [`DEMAND_WINDOW`]. The same decayed rate counts each prefix's requests
+/// ([`crate::prefix_demand`]).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct PrefillDemand {
     sum: f64,

@@ -9,28 +9,20 @@
 use rustc_hash::FxHashMap;
 
 use crate::ids::BlockKey;
+use crate::load::{PrefillDemand, DEMAND_WINDOW};
 use crate::time::Timestamp;
 
 /// Prefixes tracked at most. Past it, the ones asked for least lately are forgotten.
 pub const MAX_TRACKED_PREFIXES: usize = 8_192;
 
-/// The decay time of a prefix's request count: its rate follows changes within about this long.
-pub const PREFIX_RATE_WINDOW_S: f64 = 20.0;
-
-/// One prefix's decayed request count.
+/// One prefix's requests: a rate decayed over [`DEMAND_WINDOW`], like the fleet's prefill.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Demand {
-    /// Requests, each decayed by `exp(−age / window)`, as of `at`.
-    count: f64,
-    at: Timestamp,
+    requests: PrefillDemand,
     /// When the prefix was first asked for (as tracked: a forgotten prefix starts again).
     since: Timestamp,
-}
-
-impl Demand {
-    fn count_at(&self, now: Timestamp) -> f64 {
-        self.count * (-now.saturating_since(self.at).as_secs_f64() / PREFIX_RATE_WINDOW_S).exp()
-    }
+    /// When it was last asked for: a reading from before then is taken as of then.
+    last: Timestamp,
 }
 
 /// What the router knows of a prefix's demand at a decision.
@@ -56,10 +48,10 @@ impl PrefixDemand {
         if self.prefixes.len() >= MAX_TRACKED_PREFIXES && !self.prefixes.contains_key(&prefix) {
             self.forget_coldest(now);
         }
-        let d = self.prefixes.entry(prefix).or_insert(Demand { count: 0.0, at: now, since: now });
-        let now = now.max(d.at);
-        d.count = d.count_at(now) + 1.0;
-        d.at = now;
+        let d =
+            self.prefixes.entry(prefix).or_insert(Demand { requests: PrefillDemand::default(), since: now, last: now });
+        d.requests.add(1, now);
+        d.last = d.last.max(now);
     }
 
     /// The prefix's demand at `now`; zero for one never asked for.
@@ -67,12 +59,12 @@ impl PrefixDemand {
         let Some(d) = self.prefixes.get(&prefix) else {
             return PrefixHeat::default();
         };
-        let now = now.max(d.at);
+        let now = now.max(d.last);
         let age_s = now.saturating_since(d.since).as_secs_f64();
-        // A steady stream of `r` a second keeps the decayed count at `r × window` once it has run
-        // for a few windows; a younger one has filled only `1 − exp(−age / window)` of that.
-        let filled = 1.0 - (-age_s.max(1.0) / PREFIX_RATE_WINDOW_S).exp();
-        PrefixHeat { rate_per_s: d.count_at(now) / (PREFIX_RATE_WINDOW_S * filled), age_s }
+        // The decayed rate of a steady stream reaches its rate once the stream has run for a few
+        // windows; a younger one has filled only `1 − exp(−age / window)` of it.
+        let filled = 1.0 - (-age_s.max(1.0) / DEMAND_WINDOW.as_secs_f64()).exp();
+        PrefixHeat { rate_per_s: d.requests.rate(now) / filled, age_s }
     }
 
     /// Prefixes tracked.
@@ -87,11 +79,11 @@ impl PrefixDemand {
 
     /// Forgets the half of the prefixes asked for least lately.
     fn forget_coldest(&mut self, now: Timestamp) {
-        let mut counts: Vec<f64> = self.prefixes.values().map(|d| d.count_at(now)).collect();
-        let mid = counts.len() / 2;
-        let (_, median, _) = counts.select_nth_unstable_by(mid, f64::total_cmp);
+        let mut rates: Vec<f64> = self.prefixes.values().map(|d| d.requests.rate(now)).collect();
+        let mid = rates.len() / 2;
+        let (_, median, _) = rates.select_nth_unstable_by(mid, f64::total_cmp);
         let median = *median;
-        self.prefixes.retain(|_, d| d.count_at(now) > median);
+        self.prefixes.retain(|_, d| d.requests.rate(now) > median);
     }
 }
 

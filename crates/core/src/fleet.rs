@@ -30,7 +30,7 @@ pub const DECODE_TOKENS_PER_S: Knob = Knob {
     min: 1.0,
     max: 1e9,
     default: 2_000.0,
-    meaning: "configured aggregate decode throughput of one worker, tokens per second",
+    meaning: "configured aggregate decode throughput of one worker at a full batch (max_running_requests sequences), tokens per second",
 };
 /// Bounds of a worker's KV capacity.
 pub const KV_CAPACITY_TOKENS: Knob = Knob {
@@ -265,7 +265,7 @@ impl WorkerState {
     /// The decode rate the router plans with: the calibrated one when it is off the configured one
     /// by more than the dead band.
     pub(crate) fn decode_rate(&self) -> f64 {
-        outside_dead_band(self.decode.configured(), self.decode.effective())
+        outside_dead_band(self.decode.configured(), self.decode.effective(self.config.max_running_requests))
     }
 
     /// The latest report plus the ledger's adjustment, clamped at zero.

@@ -83,13 +83,22 @@ impl LinearFit {
     /// The slope, once there are enough points spread widely enough (x within ±10% of its mean
     /// cannot tell a slope from an intercept).
     fn slope(&self) -> Option<f64> {
+        self.line().map(|(_, slope)| slope)
+    }
+
+    /// The line's `(intercept, slope)`, on the same conditions as [`Self::slope`].
+    fn line(&self) -> Option<(f64, f64)> {
         let [w, sx, sy, sxx, sxy] = self.sums;
         if w < FIT_MIN_WEIGHT {
             return None;
         }
         let (mean_x, mean_y) = (sx / w, sy / w);
         let var_x = sxx / w - mean_x * mean_x;
-        (var_x > (0.1 * mean_x).powi(2)).then(|| (sxy / w - mean_x * mean_y) / var_x)
+        if var_x <= (0.1 * mean_x).powi(2) {
+            return None;
+        }
+        let slope = (sxy / w - mean_x * mean_y) / var_x;
+        Some((mean_y - slope * mean_x, slope))
     }
 }
 
@@ -205,9 +214,13 @@ pub fn prefill_weight(load: f64, max: f64) -> f64 {
 ///
 /// An engine step takes about `base + per_sequence × n` seconds with `n` sequences in the batch
 /// (`shared/docs/engine-model.md` §4). A request that streamed `k` tokens over `d` seconds in a
-/// batch of about `n` saw steps of `d / (k − 1)` seconds at `n`. The slope of a line through those
-/// points is the per-sequence cost; its inverse is the decode rate the router plans with (one
-/// running sequence adds `1 / decode_tps` to a step).
+/// batch of about `n` saw steps of `d / (k − 1)` seconds at `n`; a line through those points gives
+/// `base` and `per_sequence`. The rate is the one configured: tokens per second of a full batch,
+/// `N / (base + per_sequence × N)` at the worker's largest batch `N`. Its inverse per sequence
+/// (what one running sequence adds to a step, as the router plans) is then the full batch's mean
+/// share of a step, fixed cost included; the line's slope alone would read a third to a half
+/// faster than a rate configured the usual way, and leave the dead band on engines configured
+/// right.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct DecodeRate {
     configured: f64,
@@ -233,10 +246,15 @@ impl DecodeRate {
         }
     }
 
-    /// The rate to plan with: the inverse of the fitted per-sequence cost within the correction
-    /// bound, or the configured value until the points span enough batch sizes.
-    pub fn effective(&self) -> f64 {
-        bounded_rate(self.configured, self.fit.slope())
+    /// The rate to plan with: the fitted line's rate at a batch of `full_batch` sequences within
+    /// the correction bound, or the configured value until the points span enough batch sizes.
+    pub fn effective(&self, full_batch: u64) -> f64 {
+        let Some((base, per_sequence)) = self.fit.line() else {
+            return self.configured;
+        };
+        let n = full_batch.max(1) as f64;
+        // A line that falls or starts below zero says that part costs less than the points resolve.
+        bounded_rate(self.configured, Some((base.max(0.0) + n * per_sequence.max(0.0)) / n))
     }
 }
 
@@ -263,14 +281,28 @@ mod tests {
     }
 
     #[test]
-    fn the_decode_fit_finds_the_per_sequence_cost_and_ignores_the_base() {
-        // Steps of 18 ms + 0.2 ms per sequence: 5,000 tokens/s per the slope, configured at 15,000.
-        let mut d = DecodeRate::new(15_000.0);
+    fn the_decode_fit_finds_the_full_batch_rate_from_smaller_batches() {
+        // Steps of 18 ms + 0.2 ms per sequence, seen at 10 to 80 sequences; configured at 10,000.
+        // A full batch of 256 takes 69.2 ms a step: 3,699 tokens/s. The slope alone says 5,000.
+        let mut d = DecodeRate::new(10_000.0);
         for i in 0..40 {
             let n = 10.0 + f64::from(i % 8) * 10.0;
             d.observe_step(n, 0.018 + 0.0002 * n);
         }
-        assert!((d.effective() - 5_000.0).abs() < 1.0, "{}", d.effective());
+        assert!((d.effective(256) - 256.0 / 0.0692).abs() < 1.0, "{}", d.effective(256));
+        // A smaller largest batch pays more of the fixed cost per sequence.
+        assert!((d.effective(128) - 128.0 / 0.0436).abs() < 1.0, "{}", d.effective(128));
+    }
+
+    #[test]
+    fn a_flat_decode_line_reads_the_fixed_cost_shared_by_a_full_batch() {
+        let mut d = DecodeRate::new(2_000.0);
+        for i in 0..40 {
+            d.observe_step(10.0 + f64::from(i % 8) * 10.0, 0.020);
+        }
+        // 256 sequences share 20 ms: 12,800 tokens/s, past the 4× bound.
+        assert_eq!(d.effective(256), 8_000.0);
+        assert!((d.effective(32) - 1_600.0).abs() < 1e-6, "{}", d.effective(32));
     }
 
     #[test]
@@ -279,10 +311,10 @@ mod tests {
         for _ in 0..50 {
             d.observe_step(32.0, 0.025);
         }
-        assert_eq!(d.effective(), 3_000.0, "one batch size cannot separate base and slope");
+        assert_eq!(d.effective(256), 3_000.0, "one batch size cannot separate base and slope");
         d.observe_step(f64::NAN, 1.0);
         d.observe_step(0.0, 1.0);
-        assert_eq!(d.effective(), 3_000.0);
+        assert_eq!(d.effective(256), 3_000.0);
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! point `(C, Δt)` on that line, with one catch: steps that filled no block publish nothing, so a
 //! pair of batches can span several steps, and an idle engine's next batch comes seconds after its
 //! last. Such points lie *above* the line, never below it. The line is the lower envelope of the
-//! points, which a low-quantile regression finds without being pulled up by them.
+//! points, which a low-quantile regression finds without being pulled up by them. The slope needs
+//! steps that computed whole prompts; a fleet that hits its cache computes few, so those that
+//! leave the window of recent steps are kept a while longer.
 //!
 //! Unlike times to first token, this measures the engine, not the router's own projections: what
 //! the router chose to send there (cache hits to busy owners, misses to idle engines) does not
@@ -20,6 +22,14 @@ use kvgate_protocol::KvEvent;
 /// Points kept: a minute of an engine taking a few requests a second. A shorter window often holds
 /// no step that missed the cache by much, and small steps alone leave the slope loose.
 pub const STEP_WINDOW: usize = 256;
+
+/// Large steps kept after they leave the window, newest last. A fleet that hits its prefix cache
+/// computes a long prompt rarely, and a busy engine's 256 steps last a minute or less.
+pub const LARGE_STEPS_KEPT: usize = 16;
+
+/// Engine seconds a large step is kept after it left the window, so the fit follows a rate that
+/// changes (a restarted or reconfigured engine) within minutes.
+pub const LARGE_STEPS_KEPT_SECONDS: f64 = 300.0;
 
 /// Points needed before the envelope is trusted.
 pub const MIN_STEP_POINTS: usize = 32;
@@ -40,6 +50,11 @@ const LARGE_STEP_FACTOR: f64 = 4.0;
 /// ... and a fit needs this many of them: with fewer, one of them spanning a silent step tilts the
 /// line (on the simulator, two or three read engines of 20k tokens/s at 12k–13k).
 const MIN_LARGE_STEPS: usize = 4;
+
+/// ... each at least this share of the largest step in the window. When the median step is small
+/// (a fleet hitting its cache), steps of a thousand tokens with many sequences running pass for
+/// large, and the running count they share stood in for the tokens: an engine of 20k read 35k.
+const LARGEST_STEP_SHARE: f64 = 0.25;
 
 /// A size class of fewer points than this weighs that much less than a full one.
 const MIN_CLASS_WEIGHT_POINTS: u32 = 4;
@@ -77,6 +92,8 @@ struct StepPoint {
     running: f64,
     /// Seconds since the previous batch.
     seconds: f64,
+    /// The later batch's engine time.
+    at: f64,
 }
 
 /// What the envelope says a step costs.
@@ -98,6 +115,11 @@ pub struct StepCadence {
     last: Option<(Option<u32>, f64)>,
     /// Newest last.
     points: VecDeque<StepPoint>,
+    /// Large steps that left `points`, newest last (see [`LARGE_STEPS_KEPT`]).
+    large: VecDeque<StepPoint>,
+    /// Tokens from which a step leaving `points` is kept in `large`: [`LARGE_STEP_FACTOR`] × the
+    /// median step of the last window fitted; infinite before any.
+    large_from_tokens: f64,
     since_fit: u32,
     /// The fitted costs, once the points allow a fit.
     cost: Option<StepCost>,
@@ -110,6 +132,8 @@ impl Default for StepCadence {
         StepCadence {
             last: None,
             points: VecDeque::with_capacity(STEP_WINDOW),
+            large: VecDeque::with_capacity(LARGE_STEPS_KEPT),
+            large_from_tokens: f64::INFINITY,
             since_fit: 0,
             cost: None,
             computed_total: 0,
@@ -133,13 +157,21 @@ impl StepCadence {
             let seconds = engine_time_s - last_time;
             if last_rank == rank && tokens > 0 && seconds > 0.0 && seconds <= MAX_STEP_SECONDS {
                 if self.points.len() == STEP_WINDOW {
-                    self.points.pop_front();
+                    if let Some(old) = self.points.pop_front().filter(|p| p.tokens >= self.large_from_tokens) {
+                        if self.large.len() == LARGE_STEPS_KEPT {
+                            self.large.pop_front();
+                        }
+                        self.large.push_back(old);
+                    }
                 }
-                self.points.push_back(StepPoint { tokens: tokens as f64, running: running as f64, seconds });
+                let point = StepPoint { tokens: tokens as f64, running: running as f64, seconds, at: engine_time_s };
+                self.points.push_back(point);
                 self.since_fit += 1;
                 if self.points.len() >= MIN_STEP_POINTS && self.since_fit >= REFIT_EVERY {
                     self.since_fit = 0;
-                    due = Some(StepWindow { points: self.points.clone() });
+                    let fresh = |p: &&StepPoint| (0.0..=LARGE_STEPS_KEPT_SECONDS).contains(&(engine_time_s - p.at));
+                    let points = self.large.iter().filter(fresh).chain(&self.points).copied().collect();
+                    due = Some(StepWindow { points });
                 }
             }
         }
@@ -149,8 +181,9 @@ impl StepCadence {
 
     /// Installs the fit of a window [`StepCadence::observe`] handed out. Returns whether the
     /// measured cost changed. A window with no fit (too few large steps) leaves the last fit.
-    pub fn set_fit(&mut self, cost: Option<StepCost>) -> bool {
-        match cost {
+    pub fn set_fit(&mut self, fit: StepFit) -> bool {
+        self.large_from_tokens = LARGE_STEP_FACTOR * fit.typical_tokens;
+        match fit.cost {
             Some(cost) if self.cost != Some(cost) => {
                 self.cost = Some(cost);
                 true
@@ -177,11 +210,29 @@ pub struct StepWindow {
     points: VecDeque<StepPoint>,
 }
 
+/// What fitting a [`StepWindow`] found, for [`StepCadence::set_fit`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepFit {
+    /// The envelope, when the points allow one.
+    pub cost: Option<StepCost>,
+    /// The median step's tokens: what makes a step large.
+    pub typical_tokens: f64,
+}
+
 impl StepWindow {
     /// The envelope of the window's points, when they allow one (see [`StepCadence`]).
-    pub fn fit(&self) -> Option<StepCost> {
-        lower_envelope(&self.points)
+    pub fn fit(&self) -> StepFit {
+        let tokens = sorted_tokens(&self.points);
+        let typical_tokens = tokens.get(tokens.len() / 2).copied().unwrap_or(f64::INFINITY);
+        StepFit { cost: lower_envelope(&self.points), typical_tokens }
     }
+}
+
+/// The points' tokens, smallest first.
+fn sorted_tokens(points: &VecDeque<StepPoint>) -> Vec<f64> {
+    let mut tokens: Vec<f64> = points.iter().map(|p| p.tokens).collect();
+    tokens.sort_by(f64::total_cmp);
+    tokens
 }
 
 /// The low-quantile plane `seconds = a + tokens · s + running · b` under `points`, when a few steps
@@ -190,10 +241,17 @@ impl StepWindow {
 /// tokens/s for an engine of 20k). The running count enters when it varied: busy steps, with more
 /// sequences, are mostly small ones, and leaving their cost out flattens the token slope.
 fn lower_envelope(points: &VecDeque<StepPoint>) -> Option<StepCost> {
-    let mut tokens: Vec<f64> = points.iter().map(|p| p.tokens).collect();
-    tokens.sort_by(f64::total_cmp);
-    let typical = tokens[tokens.len() / 2];
-    if tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() < MIN_LARGE_STEPS {
+    envelope_anchored_by(points, LARGEST_STEP_SHARE)
+}
+
+/// [`lower_envelope`], counting as large the steps of at least [`LARGE_STEP_FACTOR`] × the median
+/// and `largest_share` × the largest.
+fn envelope_anchored_by(points: &VecDeque<StepPoint>, largest_share: f64) -> Option<StepCost> {
+    let tokens = sorted_tokens(points);
+    let typical = *tokens.get(tokens.len() / 2)?;
+    let largest = *tokens.last()?;
+    let large_from = (LARGE_STEP_FACTOR * typical).max(largest_share * largest);
+    if tokens.iter().rev().take_while(|&&x| x >= large_from).count() < MIN_LARGE_STEPS {
         return None;
     }
     let size_weights = size_class_weights(points);
@@ -352,7 +410,7 @@ mod tests {
             .filter(|l| !l.starts_with('#'))
             .map(|l| {
                 let v: Vec<f64> = l.split_whitespace().map(|x| x.parse().expect("a number")).collect();
-                StepPoint { tokens: v[0], running: v[1], seconds: v[2] }
+                StepPoint { tokens: v[0], running: v[1], seconds: v[2], at: 0.0 }
             })
             .collect();
         assert_eq!(points.len(), 240);
@@ -360,6 +418,60 @@ mod tests {
         assert!(one_vote_each > 30_000.0, "the case under test: {one_vote_each:.0}");
         let measured = 1.0 / lower_envelope(&points).expect("a fit").seconds_per_token;
         assert!((measured / 20_000.0 - 1.0).abs() < 0.05, "measured {measured:.0} for 20,000");
+    }
+
+    /// A window recorded from the simulator: `(points, kept)`, `kept` marking the large steps kept
+    /// after they left the 256-point window.
+    fn recorded_window(text: &str) -> (VecDeque<StepPoint>, Vec<bool>) {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| {
+                let v: Vec<f64> = l.split_whitespace().map(|x| x.parse().expect("a number")).collect();
+                (StepPoint { tokens: v[0], running: v[1], seconds: v[2], at: 0.0 }, v.get(3) == Some(&1.0))
+            })
+            .unzip()
+    }
+
+    #[test]
+    fn large_steps_kept_past_the_window_anchor_a_fleet_that_hits_its_cache() {
+        // Minutes into a run, the engine's steps are mostly a few hundred tokens; the last 256 hold
+        // steps of a thousand or two with 40 to 80 sequences running, and no whole prompt.
+        let (points, kept) = recorded_window(include_str!("../testdata/step_window_multi_prefix_300s_seed2.txt"));
+        let window: VecDeque<StepPoint> = points.iter().zip(&kept).filter(|(_, k)| !**k).map(|(p, _)| *p).collect();
+        assert_eq!(window.len(), STEP_WINDOW);
+        let measured = |points: &VecDeque<StepPoint>| 1.0 / lower_envelope(points).expect("a fit").seconds_per_token;
+        let alone = measured(&window);
+        assert!(alone > 25_000.0, "the case under test: the window alone reads {alone:.0}");
+        let with_kept = measured(&points);
+        assert!((with_kept / 20_000.0 - 1.0).abs() < 0.1, "measured {with_kept:.0} for 20,000");
+    }
+
+    #[test]
+    fn large_steps_leaving_the_window_are_kept_for_five_minutes() {
+        let mut c = StepCadence::default();
+        feed(&mut c, 20_000.0, 200, 4);
+        assert!(c.large_from_tokens.is_finite(), "a window was fitted");
+        let large_before = c.points.iter().filter(|p| p.tokens >= c.large_from_tokens).count();
+        assert!(large_before >= MIN_LARGE_STEPS, "{large_before} large steps");
+        // Small steps only, 40 ms apart, until the window holds none of the first ones.
+        let mut t = c.last.expect("a batch").1;
+        let mut window = None;
+        for _ in 0..STEP_WINDOW {
+            t += 0.040;
+            window = c.observe(64, 10, t, None).or(window);
+        }
+        assert!(c.points.iter().all(|p| p.tokens == 64.0));
+        assert!(c.large.len() >= MIN_LARGE_STEPS, "{} kept", c.large.len());
+        let with_kept = window.expect("a refit was due").fit();
+        assert!(with_kept.cost.is_some(), "the kept large steps still anchor the fit");
+        // Five minutes on, they are too old to be handed out.
+        let mut due = None;
+        for _ in 0..48 {
+            t += 8.0;
+            due = c.observe(64, 10, t, None).or(due);
+        }
+        let stale = due.expect("a refit was due");
+        assert!(stale.points.iter().all(|p| p.tokens == 64.0), "old large steps left out");
     }
 
     #[test]
@@ -373,7 +485,7 @@ mod tests {
                 let large = i % 8 == 0;
                 let tokens = 64.0 * if large { rng.random_range(64..=128) } else { rng.random_range(1..=16) } as f64;
                 let running = if large { rng.random_range(0..=5) } else { rng.random_range(30..=40) } as f64;
-                StepPoint { tokens, running, seconds: 0.060 + tokens / rate - 0.001 * running }
+                StepPoint { tokens, running, seconds: 0.060 + tokens / rate - 0.001 * running, at: 0.0 }
             })
             .collect();
         let weights = size_class_weights(&points);

@@ -139,14 +139,23 @@ pub struct WorkerStatus {
     pub peer_in_flight: u32,
     /// The adjustment for the peers' requests, reconciled with the report the same way.
     pub peer_reserved: LoadDelta,
+    /// The configured prefill throughput.
+    pub configured_prefill_tokens_per_s: f64,
     /// Effective prefill throughput: what decisions plan with.
     pub prefill_tokens_per_s: f64,
-    /// The prefill throughput measured from the engine's step cadence (calibration on, once there
-    /// are enough steps), within the correction bound of the configured one; planned with only when
-    /// it is off that by more than the dead band.
+    /// The prefill throughput measured from the engine's step cadence (once there are enough
+    /// steps), within the correction bound of the configured one; planned with only when
+    /// calibration is on and it is off that by more than the dead band. Measured with calibration
+    /// off too, so that an operator can see what it would plan with before turning it on.
     pub measured_prefill_tokens_per_s: Option<f64>,
+    /// The configured decode throughput.
+    pub configured_decode_tokens_per_s: f64,
     /// Effective decode throughput.
     pub decode_tokens_per_s: f64,
+    /// The decode throughput of a full batch measured from streams' inter-token times, within the
+    /// correction bound of the configured one, once their batch sizes allow a fit; planned with
+    /// only when calibration is on and it is off the configured one by more than the dead band.
+    pub measured_decode_tokens_per_s: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -160,6 +169,9 @@ pub(crate) struct WorkerState {
     /// measurement of its own (see [`WorkerState::prefill_rate`]).
     pub(crate) fleet_measured_prefill: Option<f64>,
     pub(crate) decode: DecodeRate,
+    /// Whether decisions plan with the measured rates (the policy's `calibrate`); they are
+    /// measured either way.
+    pub(crate) plan_measured: bool,
     /// What each in-flight request of this router was projected to take, to calibrate the rates
     /// against what it really took.
     pub(crate) timings: FxHashMap<RequestId, Timing>,
@@ -210,6 +222,7 @@ impl WorkerState {
             steps: StepCadence::default(),
             fleet_measured_prefill: None,
             decode: DecodeRate::new(config.decode_tokens_per_s),
+            plan_measured: false,
             timings: FxHashMap::default(),
             config,
             eligible: true,
@@ -244,6 +257,9 @@ impl WorkerState {
     /// out. One that really is slower is measured from the traffic that draws.
     pub(crate) fn prefill_rate(&self) -> f64 {
         let configured = self.prefill.effective();
+        if !self.plan_measured {
+            return configured;
+        }
         match (self.measured_prefill_rate(), self.fleet_measured_prefill) {
             (Some(measured), _) => measured,
             (None, Some(fleet)) => configured.max(bounded_rate(configured, Some(1.0 / fleet))),
@@ -262,10 +278,18 @@ impl WorkerState {
         Some(bounded_rate(self.prefill.effective(), Some(self.steps.seconds_per_token()?)))
     }
 
-    /// The decode rate the router plans with: the calibrated one when it is off the configured one
-    /// by more than the dead band.
+    /// The decode rate the router plans with: with calibration on, the measured one when it is off
+    /// the configured one by more than the dead band.
     pub(crate) fn decode_rate(&self) -> f64 {
-        outside_dead_band(self.decode.configured(), self.decode.effective(self.config.max_running_requests))
+        match self.measured_decode_rate() {
+            Some(measured) if self.plan_measured => outside_dead_band(self.decode.configured(), measured),
+            _ => self.decode.configured(),
+        }
+    }
+
+    /// The decode rate of a full batch measured from inter-token times, dead band or not.
+    fn measured_decode_rate(&self) -> Option<f64> {
+        self.decode.measured(self.config.max_running_requests)
     }
 
     /// The latest report plus the ledger's adjustment, clamped at zero.
@@ -359,9 +383,12 @@ impl WorkerState {
             reserved: self.ledger.delta(),
             peer_in_flight: self.peer_ledger.in_flight(),
             peer_reserved: self.peer_ledger.delta(),
+            configured_prefill_tokens_per_s: self.config.prefill_tokens_per_s,
             prefill_tokens_per_s: load.prefill_tps,
             measured_prefill_tokens_per_s: self.step_measured_prefill_rate(),
+            configured_decode_tokens_per_s: self.config.decode_tokens_per_s,
             decode_tokens_per_s: load.decode_tps,
+            measured_decode_tokens_per_s: self.measured_decode_rate(),
         }
     }
 }
@@ -388,6 +415,8 @@ pub(crate) struct Fleet {
     pub(crate) prefix_demand: crate::prefix_demand::PrefixDemand,
     /// This router's reservation changes not yet taken for sharing (`None`: not sharing).
     pub(crate) outbox: Option<crate::outbox::Outbox>,
+    /// Whether decisions plan with measured rates (the policy's `calibrate`).
+    pub(crate) plan_measured: bool,
 }
 
 impl Fleet {
@@ -400,6 +429,14 @@ impl Fleet {
 
     /// A worker's step-cadence fit changed: every worker not yet measured plans with the new median
     /// of the measured ones.
+    /// Turns planning with measured rates on or off, for every worker and those added later.
+    pub(crate) fn set_plan_measured(&mut self, on: bool) {
+        self.plan_measured = on;
+        for w in self.workers.iter_mut().flatten() {
+            w.plan_measured = on;
+        }
+    }
+
     pub(crate) fn refresh_measured_prefill(&mut self) {
         let mut rates: Vec<f64> =
             self.workers.iter().flatten().filter_map(WorkerState::measured_prefill_rate).collect();
@@ -430,7 +467,9 @@ impl Fleet {
             WorkerSlot(self.workers.len() as u32 - 1)
         });
         self.by_id.insert(config.id.clone(), slot);
-        self.workers[slot.index()] = Some(WorkerState::new(config));
+        let mut worker = WorkerState::new(config);
+        worker.plan_measured = self.plan_measured;
+        self.workers[slot.index()] = Some(worker);
         Ok(slot)
     }
 

@@ -249,12 +249,16 @@ impl DecodeRate {
     /// The rate to plan with: the fitted line's rate at a batch of `full_batch` sequences within
     /// the correction bound, or the configured value until the points span enough batch sizes.
     pub fn effective(&self, full_batch: u64) -> f64 {
-        let Some((base, per_sequence)) = self.fit.line() else {
-            return self.configured;
-        };
+        self.measured(full_batch).unwrap_or(self.configured)
+    }
+
+    /// The fitted line's rate at a batch of `full_batch` sequences within the correction bound,
+    /// once the points span enough batch sizes.
+    pub fn measured(&self, full_batch: u64) -> Option<f64> {
+        let (base, per_sequence) = self.fit.line()?;
         let n = full_batch.max(1) as f64;
         // A line that falls or starts below zero says that part costs less than the points resolve.
-        bounded_rate(self.configured, Some((base.max(0.0) + n * per_sequence.max(0.0)) / n))
+        Some(bounded_rate(self.configured, Some((base.max(0.0) + n * per_sequence.max(0.0)) / n)))
     }
 }
 

@@ -94,11 +94,13 @@ impl Router {
     pub fn with_index(index: KvIndex, policy: PolicyConfig) -> Result<Self, CoreError> {
         BLOCK_SIZE.check(index.block_size() as f64)?;
         policy.validate()?;
+        let mut fleet = Fleet::default();
+        fleet.set_plan_measured(policy.calibrate);
         Ok(Router {
             block_size: index.block_size(),
             policy: RwLock::new(policy),
             index: RwLock::new(index),
-            fleet: Mutex::new(Fleet::default()),
+            fleet: Mutex::new(fleet),
         })
     }
 
@@ -115,6 +117,7 @@ impl Router {
     /// Replaces the policy after validating it; the old one stays on error.
     pub fn set_policy(&self, policy: PolicyConfig) -> Result<(), CoreError> {
         policy.validate()?;
+        self.fleet.lock().set_plan_measured(policy.calibrate);
         *self.policy.write() = policy;
         Ok(())
     }
@@ -185,9 +188,9 @@ impl Router {
     }
 
     /// One scheduler step's KV events arrived live from a worker, stamped `engine_time_s` by the
-    /// engine (publisher `rank`): with calibration on, the step's computed tokens and the time since
-    /// the previous batch are a point of the worker's prefill-rate fit
-    /// ([`crate::step_cadence`]). Replayed batches must not be passed here: their spacing is not
+    /// engine (publisher `rank`): the step's computed tokens and the time since the previous batch
+    /// are a point of the worker's prefill-rate fit ([`crate::step_cadence`]), which decisions
+    /// plan with when calibration is on. Replayed batches must not be passed here: their spacing is not
     /// the engine's.
     pub fn observe_engine_step(
         &self,
@@ -196,10 +199,6 @@ impl Router {
         engine_time_s: f64,
         rank: Option<u32>,
     ) -> Result<(), CoreError> {
-        // Calibration off costs one read of the policy per batch, not the fleet's lock.
-        if !self.policy.read().calibrate {
-            return Ok(());
-        }
         let window = {
             let mut fleet = self.fleet.lock();
             let worker = fleet.worker_mut(id)?;
@@ -281,14 +280,11 @@ impl Router {
 
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
-        let calibrate = self.policy.read().calibrate;
         let mut fleet = self.fleet.lock();
         let slot = *fleet.requests.get(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.ledger.first_token(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
-            if calibrate {
-                w.calibrate_first_token(id, now);
-            }
+            w.calibrate_first_token(id, now);
         }
         fleet.share(ReservationChange::FirstToken { request: id }, now);
         Ok(())
@@ -308,7 +304,6 @@ impl Router {
         now: Timestamp,
         output_tokens: Option<u64>,
     ) -> Result<(), CoreError> {
-        let output_tokens = output_tokens.filter(|_| self.policy.read().calibrate);
         let mut fleet = self.fleet.lock();
         let slot = fleet.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
@@ -382,9 +377,7 @@ impl Router {
             let last_event_at = self.index.read().last_event_at(winner.slot);
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
-            if cfg.calibrate {
-                state.timings.insert(req.id, Timing::default());
-            }
+            state.timings.insert(req.id, Timing::default());
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.demand.add(work.prefill_tokens, now);

@@ -328,6 +328,12 @@ fn zero_block_size_is_rejected() {
 /// spanning a silent step; then decides one request.
 fn calibrate_against(policy: PolicyConfig, real_tps: f64) -> kvgate_core::Decision {
     let router = fleet(1, policy);
+    feed_steps(&router, real_tps);
+    decide(&router, &Req::new(&router, 99, &tokens("last", 1000), 64), T0)
+}
+
+/// The KV event batches of [`calibrate_against`].
+fn feed_steps(router: &kvgate_core::Router, real_tps: f64) {
     let block = router.block_size();
     let mut engine_s = 1_000.0;
     for i in 0..100u32 {
@@ -341,7 +347,6 @@ fn calibrate_against(policy: PolicyConfig, real_tps: f64) -> kvgate_core::Decisi
         engine_s += silent_step + 0.040 + f64::from(blocks * block) / real_tps;
         router.observe_engine_step(&wid(0), &[stored], engine_s, None).unwrap();
     }
-    decide(&router, &Req::new(&router, 99, &tokens("last", 1000), 64), T0)
 }
 
 #[test]
@@ -352,6 +357,26 @@ fn calibration_learns_a_worker_prefill_rate_and_decisions_show_the_rate_used() {
     assert!((rate - 8_000.0).abs() < 200.0, "the 40 ms per step is not taken for a slow engine: {rate}");
     let off = calibrate_against(PolicyConfig::projected(Mode::Enforce), 8_000.0);
     assert_eq!(off.scores[0].prefill_tokens_per_s, 20_000.0, "calibration off plans with the configured rate");
+}
+
+#[test]
+fn with_calibration_off_the_rate_is_measured_and_shown_but_not_planned_with() {
+    let router = fleet(1, PolicyConfig::projected(Mode::Enforce));
+    feed_steps(&router, 8_000.0);
+    let status = router.worker_status(&wid(0), T0).unwrap();
+    let measured = status.measured_prefill_tokens_per_s.expect("measured with calibration off");
+    assert!((measured - 8_000.0).abs() < 200.0, "{measured}");
+    assert_eq!(status.prefill_tokens_per_s, 20_000.0);
+    let d = decide(&router, &Req::new(&router, 98, &tokens("before", 1000), 64), T0);
+    assert_eq!(d.scores[0].prefill_tokens_per_s, 20_000.0);
+    router.release(d.request, T0).unwrap();
+    // Turned on, the next decision plans with what was measured meanwhile.
+    router.set_policy(PolicyConfig { calibrate: true, ..router.policy() }).unwrap();
+    let d = decide(&router, &Req::new(&router, 99, &tokens("after", 1000), 64), T0);
+    assert_eq!(d.scores[0].prefill_tokens_per_s, measured);
+    router.release(d.request, T0).unwrap();
+    router.set_policy(PolicyConfig { calibrate: false, ..router.policy() }).unwrap();
+    assert_eq!(router.worker_status(&wid(0), T0).unwrap().prefill_tokens_per_s, 20_000.0);
 }
 
 /// w0 decodes for 30 sequences and holds each prompt but its last 100 tokens just before it comes;

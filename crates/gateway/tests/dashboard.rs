@@ -72,6 +72,20 @@ async fn every_metric_the_dashboard_draws_is_exported() {
     assert!(metrics.contains("kvgate_kv_state{engine=\"a\",state=\"incomplete\"} 1"), "never connected: {metrics}");
     assert!(metrics.contains("kvgate_kv_state{engine=\"a\",state=\"synced\"} 0"), "{metrics}");
     assert!(metrics.contains("kvgate_engine_waiting_requests{engine=\"a\"} 0"), "{metrics}");
+    // Rates: configured and planned from the start; measured only once calibration has a fit.
+    assert!(
+        metrics.contains("kvgate_engine_prefill_tokens_per_second{engine=\"a\",rate=\"configured\"} 20000"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_engine_prefill_tokens_per_second{engine=\"a\",rate=\"planned\"} 20000"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvgate_engine_decode_tokens_per_second{engine=\"a\",rate=\"planned\"} 2000"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("rate=\"measured\""), "nothing measured yet: {metrics}");
 }
 
 #[test]

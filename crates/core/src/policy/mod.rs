@@ -315,10 +315,11 @@ pub struct PolicyConfig {
     pub balance_rel: f64,
     /// cache_aware only: cap-one distribution seeding (see [`cache_aware`]).
     pub distribution_seeding: bool,
-    /// Calibrate each worker's prefill rate from the cadence of its KV event batches
-    /// ([`crate::step_cadence`]) and its decode rate from inter-token times. Off by default: on a
-    /// fleet configured right it costs the simulator's multi-prefix TTFT p90 about 3%, from the
-    /// decode fit (docs/routing.md).
+    /// Plan with each worker's prefill rate measured from the cadence of its KV event batches
+    /// ([`crate::step_cadence`]) and its decode rate measured from inter-token times (both are
+    /// measured and shown either way). Off by default: on the simulator's Llama-3-8B profile an
+    /// engine with only cache hits goes unmeasured for minutes, and engines configured right are
+    /// sometimes read off (docs/routing.md).
     pub calibrate: bool,
 }
 

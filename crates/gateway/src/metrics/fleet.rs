@@ -20,6 +20,16 @@ pub struct KvStateLabels {
     pub state: String,
 }
 
+/// `engine` and `rate` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RateLabels {
+    /// The engine's worker id.
+    pub engine: String,
+    /// `configured`, `measured` (once calibration has a fit, whether or not it is on) or
+    /// `planned` (what decisions use).
+    pub rate: String,
+}
+
 type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// The per-engine gauges of the router's view.
@@ -32,6 +42,8 @@ pub struct FleetGauges {
     eligible: Family<EngineLabel, Gauge>,
     load_age: Family<EngineLabel, FloatGauge>,
     kv_state: Family<KvStateLabels, Gauge>,
+    prefill_rate: Family<RateLabels, FloatGauge>,
+    decode_rate: Family<RateLabels, FloatGauge>,
 }
 
 const STATES: [&str; 4] = ["synced", "incomplete", "stale", "invalid"];
@@ -63,6 +75,16 @@ impl FleetGauges {
             g.load_age.clone(),
         );
         registry.register(
+            "engine_prefill_tokens_per_second",
+            "Each engine's prefill throughput: configured, measured from its step cadence, and planned with",
+            g.prefill_rate.clone(),
+        );
+        registry.register(
+            "engine_decode_tokens_per_second",
+            "Each engine's full-batch decode throughput: configured, measured from inter-token times, and planned with",
+            g.decode_rate.clone(),
+        );
+        registry.register(
             "kv_state",
             "1 for each engine's current KV stream state (synced, incomplete, stale, invalid), 0 for the others",
             g.kv_state.clone(),
@@ -78,6 +100,8 @@ impl FleetGauges {
         self.kv_usage.clear();
         self.load_age.clear();
         self.kv_state.clear();
+        self.prefill_rate.clear();
+        self.decode_rate.clear();
         for w in workers {
             let engine = EngineLabel { engine: w.id.to_string() };
             let count = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -89,6 +113,29 @@ impl FleetGauges {
             if let Some(ms) = w.load_age_ms {
                 self.load_age.get_or_create(&engine).set(ms as f64 / 1000.0);
             }
+            let rates =
+                |family: &Family<RateLabels, FloatGauge>, configured: f64, measured: Option<f64>, planned: f64| {
+                    let named = [("configured", Some(configured)), ("measured", measured), ("planned", Some(planned))];
+                    for (rate, value) in named {
+                        if let Some(v) = value {
+                            family
+                                .get_or_create(&RateLabels { engine: engine.engine.clone(), rate: rate.to_owned() })
+                                .set(v);
+                        }
+                    }
+                };
+            rates(
+                &self.prefill_rate,
+                w.configured_prefill_tokens_per_s,
+                w.measured_prefill_tokens_per_s,
+                w.prefill_tokens_per_s,
+            );
+            rates(
+                &self.decode_rate,
+                w.configured_decode_tokens_per_s,
+                w.measured_decode_tokens_per_s,
+                w.decode_tokens_per_s,
+            );
             for state in STATES {
                 let labels = KvStateLabels { engine: engine.engine.clone(), state: state.to_owned() };
                 self.kv_state.get_or_create(&labels).set(i64::from(state == w.kv_state.name()));

@@ -1,13 +1,14 @@
 //! Calibration on a real engine: the prefill rate kvgate measures from the cadence of the engine's
-//! own KV event batches agrees with the marginal prefill cost a client measures on the engine, and
-//! replaces a configured rate three times too fast.
+//! own KV event batches agrees with the marginal prefill cost a client measures on the engine. With
+//! calibration off it is measured and shown but not planned with; turned on, it replaces a
+//! configured rate three times too fast.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use kvgate_real_engines::fleet::{Fleet, MODEL};
-use kvgate_real_engines::gateway::{post, test_overrides, Gateway};
+use kvgate_real_engines::gateway::{http, post, test_overrides, Gateway};
 use serde_json::{json, Value};
 
 /// A completions body whose prompt is `tokens` token ids no other trial or run sends (so the engine
@@ -55,7 +56,7 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     let configured = 3.0 * client_rate;
     let mut overrides = test_overrides(&[a]);
     overrides.workers = vec![format!("{},prefill_tokens_per_s={configured:.0}", a.worker_flag())];
-    let gw = Gateway::start("[policy]\ncalibrate = true\n", overrides).await?;
+    let gw = Gateway::start("", overrides).await?;
     gw.wait_idle("a").await?;
 
     // Traffic: most prompts a few hundred tokens, one in seven of 2,000 to 3,500 (steps the size of
@@ -87,11 +88,29 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
         ensure!(Instant::now() < deadline, "no prefill rate measured from a's steps after {sent} requests: {router}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    let measured_off = router["measured_prefill_tokens_per_s"].as_f64().context("a number")?;
+    let planned_off = router["prefill_tokens_per_s"].as_f64().context("a number")?;
+    ensure!(
+        (planned_off / configured - 1.0).abs() < 1e-6,
+        "calibration off, yet a plans with {planned_off:.0}, not the configured {configured:.0}"
+    );
+    let metrics = http().get(format!("{}/metrics", gw.url)).send().await?.text().await?;
+    ensure!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kvgate_engine_prefill_tokens_per_second{engine=\"a\",rate=\"measured\"}")),
+        "the measured rate is not among the gauges"
+    );
+
+    // Turned on, the next decisions plan with what was measured.
+    let resp = http().put(format!("{}/admin/policy", gw.url)).json(&json!({"calibrate": true})).send().await?;
+    ensure!(resp.status().is_success(), "PUT /admin/policy answered {}", resp.status());
+    let router = gw.worker("a").await?["router"].clone();
     let measured = router["measured_prefill_tokens_per_s"].as_f64().context("a number")?;
     let planned = router["prefill_tokens_per_s"].as_f64().context("a number")?;
     eprintln!(
         "client-measured {client_rate:.0} tokens/s (128: {short:.4} s, 2,048: {long:.4} s); configured {configured:.0}; \
-         measured from steps {measured:.0}; planned {planned:.0}"
+         measured from steps {measured_off:.0} with calibration off (planned {planned_off:.0}), {measured:.0} on (planned {planned:.0})"
     );
     // The steps read 1.2–1.5× the client's rate on this engine (docs/routing.md: the fit gives
     // part of each busy step's time to its running sequences, and the client's prompts run alone);

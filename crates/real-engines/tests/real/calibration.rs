@@ -53,7 +53,8 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     let client_rate = 1_920.0 / (long - short);
 
     // kvgate in front of `a` alone, told `a` is three times faster than the client measured.
-    let configured = 3.0 * client_rate;
+    // Whole tokens per second: what the worker flag below says exactly.
+    let configured = (3.0 * client_rate).round();
     let mut overrides = test_overrides(&[a]);
     overrides.workers = vec![format!("{},prefill_tokens_per_s={configured:.0}", a.worker_flag())];
     let gw = Gateway::start("", overrides).await?;
@@ -91,7 +92,7 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     let measured_off = router["measured_prefill_tokens_per_s"].as_f64().context("a number")?;
     let planned_off = router["prefill_tokens_per_s"].as_f64().context("a number")?;
     ensure!(
-        (planned_off / configured - 1.0).abs() < 1e-6,
+        planned_off == configured,
         "calibration off, yet a plans with {planned_off:.0}, not the configured {configured:.0}"
     );
     let metrics = http().get(format!("{}/metrics", gw.url)).send().await?.text().await?;

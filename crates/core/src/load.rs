@@ -246,12 +246,6 @@ impl DecodeRate {
         }
     }
 
-    /// The rate to plan with: the fitted line's rate at a batch of `full_batch` sequences within
-    /// the correction bound, or the configured value until the points span enough batch sizes.
-    pub fn effective(&self, full_batch: u64) -> f64 {
-        self.measured(full_batch).unwrap_or(self.configured)
-    }
-
     /// The fitted line's rate at a batch of `full_batch` sequences within the correction bound,
     /// once the points span enough batch sizes.
     pub fn measured(&self, full_batch: u64) -> Option<f64> {
@@ -293,9 +287,10 @@ mod tests {
             let n = 10.0 + f64::from(i % 8) * 10.0;
             d.observe_step(n, 0.018 + 0.0002 * n);
         }
-        assert!((d.effective(256) - 256.0 / 0.0692).abs() < 1.0, "{}", d.effective(256));
+        let at = |n| d.measured(n).expect("a fit");
+        assert!((at(256) - 256.0 / 0.0692).abs() < 1.0, "{}", at(256));
         // A smaller largest batch pays more of the fixed cost per sequence.
-        assert!((d.effective(128) - 128.0 / 0.0436).abs() < 1.0, "{}", d.effective(128));
+        assert!((at(128) - 128.0 / 0.0436).abs() < 1.0, "{}", at(128));
     }
 
     #[test]
@@ -305,8 +300,9 @@ mod tests {
             d.observe_step(10.0 + f64::from(i % 8) * 10.0, 0.020);
         }
         // 256 sequences share 20 ms: 12,800 tokens/s, past the 4× bound.
-        assert_eq!(d.effective(256), 8_000.0);
-        assert!((d.effective(32) - 1_600.0).abs() < 1e-6, "{}", d.effective(32));
+        assert_eq!(d.measured(256), Some(8_000.0));
+        let at_32 = d.measured(32).expect("a fit");
+        assert!((at_32 - 1_600.0).abs() < 1e-6, "{at_32}");
     }
 
     #[test]
@@ -315,10 +311,10 @@ mod tests {
         for _ in 0..50 {
             d.observe_step(32.0, 0.025);
         }
-        assert_eq!(d.effective(256), 3_000.0, "one batch size cannot separate base and slope");
+        assert_eq!(d.measured(256), None, "one batch size cannot separate base and slope");
         d.observe_step(f64::NAN, 1.0);
         d.observe_step(0.0, 1.0);
-        assert_eq!(d.effective(256), 3_000.0);
+        assert_eq!(d.measured(256), None);
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl StepWindow {
     pub fn fit(&self) -> StepFit {
         let tokens = sorted_tokens(&self.points);
         let typical_tokens = tokens.get(tokens.len() / 2).copied().unwrap_or(f64::INFINITY);
-        StepFit { cost: lower_envelope(&self.points), typical_tokens }
+        StepFit { cost: lower_envelope(&self.points, &tokens), typical_tokens }
     }
 }
 
@@ -240,17 +240,12 @@ fn sorted_tokens(points: &VecDeque<StepPoint>) -> Vec<f64> {
 /// hides in their per-step cost, and the slope is loose (measured on the simulator: 13k to 70k
 /// tokens/s for an engine of 20k). The running count enters when it varied: busy steps, with more
 /// sequences, are mostly small ones, and leaving their cost out flattens the token slope.
-fn lower_envelope(points: &VecDeque<StepPoint>) -> Option<StepCost> {
-    envelope_anchored_by(points, LARGEST_STEP_SHARE)
-}
-
-/// [`lower_envelope`], counting as large the steps of at least [`LARGE_STEP_FACTOR`] × the median
-/// and `largest_share` × the largest.
-fn envelope_anchored_by(points: &VecDeque<StepPoint>, largest_share: f64) -> Option<StepCost> {
-    let tokens = sorted_tokens(points);
+///
+/// `tokens` are the points' tokens, smallest first ([`sorted_tokens`]).
+fn lower_envelope(points: &VecDeque<StepPoint>, tokens: &[f64]) -> Option<StepCost> {
     let typical = *tokens.get(tokens.len() / 2)?;
     let largest = *tokens.last()?;
-    let large_from = (LARGE_STEP_FACTOR * typical).max(largest_share * largest);
+    let large_from = (LARGE_STEP_FACTOR * typical).max(LARGEST_STEP_SHARE * largest);
     if tokens.iter().rev().take_while(|&&x| x >= large_from).count() < MIN_LARGE_STEPS {
         return None;
     }
@@ -416,7 +411,7 @@ mod tests {
         assert_eq!(points.len(), 240);
         let one_vote_each = 1.0 / quantile_plane(&points, &vec![1.0; points.len()], false).expect("a plane")[1];
         assert!(one_vote_each > 30_000.0, "the case under test: {one_vote_each:.0}");
-        let measured = 1.0 / lower_envelope(&points).expect("a fit").seconds_per_token;
+        let measured = 1.0 / lower_envelope(&points, &sorted_tokens(&points)).expect("a fit").seconds_per_token;
         assert!((measured / 20_000.0 - 1.0).abs() < 0.05, "measured {measured:.0} for 20,000");
     }
 
@@ -439,7 +434,9 @@ mod tests {
         let (points, kept) = recorded_window(include_str!("../testdata/step_window_multi_prefix_300s_seed2.txt"));
         let window: VecDeque<StepPoint> = points.iter().zip(&kept).filter(|(_, k)| !**k).map(|(p, _)| *p).collect();
         assert_eq!(window.len(), STEP_WINDOW);
-        let measured = |points: &VecDeque<StepPoint>| 1.0 / lower_envelope(points).expect("a fit").seconds_per_token;
+        let measured = |points: &VecDeque<StepPoint>| {
+            1.0 / lower_envelope(points, &sorted_tokens(points)).expect("a fit").seconds_per_token
+        };
         let alone = measured(&window);
         assert!(alone > 25_000.0, "the case under test: the window alone reads {alone:.0}");
         let with_kept = measured(&points);
@@ -493,7 +490,7 @@ mod tests {
         let tokens_only = quantile_plane(&points, &weights, false).expect("a plane");
         assert!(free[2] < 0.0, "the case under test: a negative cost per sequence, {free:?}");
         assert!((free[1] / tokens_only[1] - 1.0).abs() > 0.05, "the two fits must differ: {free:?} {tokens_only:?}");
-        let cost = lower_envelope(&points).expect("a fit");
+        let cost = lower_envelope(&points, &sorted_tokens(&points)).expect("a fit");
         assert_eq!(cost.seconds_per_token, tokens_only[1], "the token-only fit's slope, not the free plane's");
         assert_eq!(cost.seconds_per_sequence, None);
     }

@@ -51,11 +51,6 @@ const LARGE_STEP_FACTOR: f64 = 4.0;
 /// line (on the simulator, two or three read engines of 20k tokens/s at 12k–13k).
 const MIN_LARGE_STEPS: usize = 4;
 
-/// ... each at least this share of the largest step in the window. When the median step is small
-/// (a fleet hitting its cache), steps of a thousand tokens with many sequences running pass for
-/// large, and the running count they share stood in for the tokens: an engine of 20k read 35k.
-const LARGEST_STEP_SHARE: f64 = 0.25;
-
 /// A size class of fewer points than this weighs that much less than a full one.
 const MIN_CLASS_WEIGHT_POINTS: u32 = 4;
 
@@ -244,9 +239,7 @@ fn sorted_tokens(points: &VecDeque<StepPoint>) -> Vec<f64> {
 /// `tokens` are the points' tokens, smallest first ([`sorted_tokens`]).
 fn lower_envelope(points: &VecDeque<StepPoint>, tokens: &[f64]) -> Option<StepCost> {
     let typical = *tokens.get(tokens.len() / 2)?;
-    let largest = *tokens.last()?;
-    let large_from = (LARGE_STEP_FACTOR * typical).max(LARGEST_STEP_SHARE * largest);
-    if tokens.iter().rev().take_while(|&&x| x >= large_from).count() < MIN_LARGE_STEPS {
+    if tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() < MIN_LARGE_STEPS {
         return None;
     }
     let size_weights = size_class_weights(points);

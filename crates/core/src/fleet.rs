@@ -148,6 +148,9 @@ pub struct WorkerStatus {
     /// calibration is on and it is off that by more than the dead band. Measured with calibration
     /// off too, so that an operator can see what it would plan with before turning it on.
     pub measured_prefill_tokens_per_s: Option<f64>,
+    /// Whether the engine publishes a step's KV events after the step or before it runs (vLLM's
+    /// async scheduling), as the step-cadence fit found; none before a fit.
+    pub step_alignment: Option<crate::step_cadence::StepAlignment>,
     /// The configured decode throughput.
     pub configured_decode_tokens_per_s: f64,
     /// Effective decode throughput.
@@ -386,6 +389,7 @@ impl WorkerState {
             configured_prefill_tokens_per_s: self.config.prefill_tokens_per_s,
             prefill_tokens_per_s: load.prefill_tps,
             measured_prefill_tokens_per_s: self.step_measured_prefill_rate(),
+            step_alignment: self.steps.alignment(),
             configured_decode_tokens_per_s: self.config.decode_tokens_per_s,
             decode_tokens_per_s: load.decode_tps,
             measured_decode_tokens_per_s: self.measured_decode_rate(),

@@ -11,6 +11,11 @@
 //! steps that computed whole prompts; a fleet that hits its cache computes few, so those that
 //! leave the window of recent steps are kept a while longer.
 //!
+//! Which interval a batch's tokens took depends on when the engine publishes: vLLM publishes a
+//! step's blocks once it has run, unless async scheduling is on (vLLM's default where the executor
+//! supports it, off on the CPU); then the blocks of the next step, scheduled while this one ran,
+//! go out as this one ends. Both pairings are fitted and the steeper kept ([`StepAlignment`]).
+//!
 //! Unlike times to first token, this measures the engine, not the router's own projections: what
 //! the router chose to send there (cache hits to busy owners, misses to idle engines) does not
 //! bias it, nor does a queue the router counted wrong.
@@ -103,11 +108,22 @@ pub struct StepCost {
     pub seconds_per_sequence: Option<f64>,
 }
 
-/// The prefill (and per-sequence) cost measured from one worker's event batches.
+/// When an engine publishes the KV events of a step, relative to the step that computes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepAlignment {
+    /// Once the step has run (vLLM without async scheduling, which vLLM turns off on the CPU):
+    /// a batch's tokens took the time since the batch before it.
+    AfterStep,
+    /// When the step is scheduled, while the one before it still runs (vLLM's async scheduling,
+    /// its default where the executor supports it): the batch published as one step ends carries
+    /// the blocks of the next, so its tokens take the time until the batch after it.
+    BeforeStep,
+}
+
+/// One alignment's points: the window of recent steps and the large steps kept past it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct StepCadence {
-    /// The publisher (data-parallel rank) and engine time of the last batch.
-    last: Option<(Option<u32>, f64)>,
+struct AlignedSteps {
     /// Newest last.
     points: VecDeque<StepPoint>,
     /// Large steps that left `points`, newest last (see [`LARGE_STEPS_KEPT`]).
@@ -115,32 +131,70 @@ pub struct StepCadence {
     /// Tokens from which a step leaving `points` is kept in `large`: [`LARGE_STEP_FACTOR`] × the
     /// median step of the last window fitted; infinite before any.
     large_from_tokens: f64,
-    since_fit: u32,
-    /// The fitted costs, once the points allow a fit.
-    cost: Option<StepCost>,
-    /// Prompt tokens computed in all live batches seen.
-    computed_total: u64,
 }
 
-impl Default for StepCadence {
+impl Default for AlignedSteps {
     fn default() -> Self {
-        StepCadence {
-            last: None,
+        AlignedSteps {
             points: VecDeque::with_capacity(STEP_WINDOW),
             large: VecDeque::with_capacity(LARGE_STEPS_KEPT),
             large_from_tokens: f64::INFINITY,
-            since_fit: 0,
-            cost: None,
-            computed_total: 0,
         }
     }
+}
+
+impl AlignedSteps {
+    fn push(&mut self, point: StepPoint) {
+        if self.points.len() == STEP_WINDOW {
+            if let Some(old) = self.points.pop_front().filter(|p| p.tokens >= self.large_from_tokens) {
+                if self.large.len() == LARGE_STEPS_KEPT {
+                    self.large.pop_front();
+                }
+                self.large.push_back(old);
+            }
+        }
+        self.points.push_back(point);
+    }
+
+    /// The points to fit at engine time `now`: the kept large steps still fresh, then the window.
+    fn window(&self, now: f64) -> VecDeque<StepPoint> {
+        let fresh = |p: &&StepPoint| (0.0..=LARGE_STEPS_KEPT_SECONDS).contains(&(now - p.at));
+        self.large.iter().filter(fresh).chain(&self.points).copied().collect()
+    }
+}
+
+/// The last batch seen: its publisher (data-parallel rank), engine time, tokens and running count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LastBatch {
+    rank: Option<u32>,
+    at: f64,
+    tokens: u64,
+    running: u64,
+}
+
+/// The prefill (and per-sequence) cost measured from one worker's event batches.
+///
+/// Whether the engine publishes a step's events after the step or before it (see
+/// [`StepAlignment`]) is not announced anywhere the router can read, so both pairings are fitted.
+/// Pairing tokens with the wrong interval gives each large step the time of a neighbour, mostly a
+/// small one, which flattens the slope: the steeper of the two fits is the engine's.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepCadence {
+    last: Option<LastBatch>,
+    after_step: AlignedSteps,
+    before_step: AlignedSteps,
+    since_fit: u32,
+    /// The fitted costs, once the points allow a fit, and the alignment they were fitted with.
+    cost: Option<(StepCost, StepAlignment)>,
+    /// Prompt tokens computed in all live batches seen.
+    computed_total: u64,
 }
 
 impl StepCadence {
     /// A batch that computed `tokens` prompt tokens, with `running` sequences in the engine's batch,
     /// was published at `engine_time_s` (seconds, the engine's clock) by publisher `rank`. Batches
     /// of different ranks, out of order, or far apart start a new pair instead of making a point.
-    /// Returns the window to fit when a refit is due: the caller fits it ([`StepWindow::fit`]),
+    /// Returns the windows to fit when a refit is due: the caller fits them ([`StepWindow::fit`]),
     /// outside any lock it holds, and hands the result to [`StepCadence::set_fit`].
     pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> Option<StepWindow> {
         if !engine_time_s.is_finite() {
@@ -148,43 +202,49 @@ impl StepCadence {
         }
         self.computed_total = self.computed_total.saturating_add(tokens);
         let mut due = None;
-        if let Some((last_rank, last_time)) = self.last {
-            let seconds = engine_time_s - last_time;
-            if last_rank == rank && tokens > 0 && seconds > 0.0 && seconds <= MAX_STEP_SECONDS {
-                if self.points.len() == STEP_WINDOW {
-                    if let Some(old) = self.points.pop_front().filter(|p| p.tokens >= self.large_from_tokens) {
-                        if self.large.len() == LARGE_STEPS_KEPT {
-                            self.large.pop_front();
-                        }
-                        self.large.push_back(old);
-                    }
+        if let Some(last) = self.last {
+            let seconds = engine_time_s - last.at;
+            if last.rank == rank && seconds > 0.0 && seconds <= MAX_STEP_SECONDS {
+                let point = |tokens: u64, running: u64| StepPoint {
+                    tokens: tokens as f64,
+                    running: running as f64,
+                    seconds,
+                    at: engine_time_s,
+                };
+                if tokens > 0 {
+                    self.after_step.push(point(tokens, running));
                 }
-                let point = StepPoint { tokens: tokens as f64, running: running as f64, seconds, at: engine_time_s };
-                self.points.push_back(point);
-                self.since_fit += 1;
-                if self.points.len() >= MIN_STEP_POINTS && self.since_fit >= REFIT_EVERY {
+                if last.tokens > 0 {
+                    self.before_step.push(point(last.tokens, last.running));
+                }
+                if tokens > 0 || last.tokens > 0 {
+                    self.since_fit += 1;
+                }
+                let enough = self.after_step.points.len().max(self.before_step.points.len()) >= MIN_STEP_POINTS;
+                if enough && self.since_fit >= REFIT_EVERY {
                     self.since_fit = 0;
-                    let fresh = |p: &&StepPoint| (0.0..=LARGE_STEPS_KEPT_SECONDS).contains(&(engine_time_s - p.at));
-                    let points = self.large.iter().filter(fresh).chain(&self.points).copied().collect();
-                    due = Some(StepWindow { points });
+                    due = Some(StepWindow {
+                        after_step: self.after_step.window(engine_time_s),
+                        before_step: self.before_step.window(engine_time_s),
+                    });
                 }
             }
         }
-        self.last = Some((rank, engine_time_s));
+        self.last = Some(LastBatch { rank, at: engine_time_s, tokens, running });
         due
     }
 
     /// Installs the fit of a window [`StepCadence::observe`] handed out. Returns whether the
     /// measured cost changed. A window with no fit (too few large steps) leaves the last fit.
     pub fn set_fit(&mut self, fit: StepFit) -> bool {
-        self.large_from_tokens = LARGE_STEP_FACTOR * fit.typical_tokens;
-        match fit.cost {
-            Some(cost) if self.cost != Some(cost) => {
-                self.cost = Some(cost);
-                true
-            }
-            _ => false,
-        }
+        self.after_step.large_from_tokens = LARGE_STEP_FACTOR * fit.after_step.typical_tokens;
+        self.before_step.large_from_tokens = LARGE_STEP_FACTOR * fit.before_step.typical_tokens;
+        let chosen = match fit.chosen() {
+            Some(chosen) if self.cost != Some(chosen) => chosen,
+            _ => return false,
+        };
+        self.cost = Some(chosen);
+        true
     }
 
     /// Prompt tokens the engine computed in all the live batches seen so far: the difference over
@@ -195,32 +255,81 @@ impl StepCadence {
 
     /// The measured seconds per prefill token, once there is a fit.
     pub fn seconds_per_token(&self) -> Option<f64> {
-        self.cost.map(|c| c.seconds_per_token)
+        self.cost.map(|(c, _)| c.seconds_per_token)
+    }
+
+    /// How the engine's batches line up with its steps, as the last fit found.
+    pub fn alignment(&self) -> Option<StepAlignment> {
+        self.cost.map(|(_, a)| a)
     }
 }
 
 /// A copy of a worker's step points, to fit away from the lock that guards the worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepWindow {
-    points: VecDeque<StepPoint>,
+    after_step: VecDeque<StepPoint>,
+    before_step: VecDeque<StepPoint>,
+}
+
+/// What fitting one alignment's points found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlignedFit {
+    /// The envelope, when the points allow one.
+    pub cost: Option<StepCost>,
+    /// The median step's tokens: what makes a step large.
+    pub typical_tokens: f64,
+    /// Whether enough steps were large to fit at all; an anchored window without a cost fitted a
+    /// plane that is flat or falling in tokens.
+    pub anchored: bool,
 }
 
 /// What fitting a [`StepWindow`] found, for [`StepCadence::set_fit`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepFit {
-    /// The envelope, when the points allow one.
-    pub cost: Option<StepCost>,
-    /// The median step's tokens: what makes a step large.
-    pub typical_tokens: f64,
+    /// Each batch's tokens paired with the time since the batch before it.
+    pub after_step: AlignedFit,
+    /// Each batch's tokens paired with the time until the batch after it.
+    pub before_step: AlignedFit,
+}
+
+impl StepFit {
+    /// The fit of the alignment the engine follows: the steeper one (see [`StepCadence`]). Both
+    /// must fit: the points of the wrong one can allow a fit where the right one's do not yet (on
+    /// the simulator, engines of 35k tokens/s then read up to the 4× bound).
+    /// A pairing anchored by enough large steps whose plane is flat or falling has no fit, and
+    /// loses to the other.
+    pub fn chosen(&self) -> Option<(StepCost, StepAlignment)> {
+        if !self.after_step.anchored || !self.before_step.anchored {
+            return None;
+        }
+        let slope = |c: Option<StepCost>| c.map_or(0.0, |c| c.seconds_per_token);
+        if slope(self.before_step.cost) > slope(self.after_step.cost) {
+            self.before_step.cost.map(|c| (c, StepAlignment::BeforeStep))
+        } else {
+            self.after_step.cost.map(|c| (c, StepAlignment::AfterStep))
+        }
+    }
 }
 
 impl StepWindow {
-    /// The envelope of the window's points, when they allow one (see [`StepCadence`]).
+    /// The envelopes of the window's points in both alignments, when they allow one (see
+    /// [`StepCadence`]).
     pub fn fit(&self) -> StepFit {
-        let tokens = sorted_tokens(&self.points);
-        let typical_tokens = tokens.get(tokens.len() / 2).copied().unwrap_or(f64::INFINITY);
-        StepFit { cost: lower_envelope(&self.points, &tokens), typical_tokens }
+        StepFit { after_step: fit_aligned(&self.after_step), before_step: fit_aligned(&self.before_step) }
     }
+}
+
+fn fit_aligned(points: &VecDeque<StepPoint>) -> AlignedFit {
+    let tokens = sorted_tokens(points);
+    let typical_tokens = tokens.get(tokens.len() / 2).copied().unwrap_or(f64::INFINITY);
+    AlignedFit { cost: lower_envelope(points, &tokens), typical_tokens, anchored: anchored(&tokens) }
+}
+
+/// Whether at least [`MIN_LARGE_STEPS`] of the steps (tokens smallest first) are large.
+fn anchored(tokens: &[f64]) -> bool {
+    tokens.get(tokens.len() / 2).is_some_and(|&typical| {
+        tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() >= MIN_LARGE_STEPS
+    })
 }
 
 /// The points' tokens, smallest first.
@@ -238,8 +347,7 @@ fn sorted_tokens(points: &VecDeque<StepPoint>) -> Vec<f64> {
 ///
 /// `tokens` are the points' tokens, smallest first ([`sorted_tokens`]).
 fn lower_envelope(points: &VecDeque<StepPoint>, tokens: &[f64]) -> Option<StepCost> {
-    let typical = *tokens.get(tokens.len() / 2)?;
-    if tokens.iter().rev().take_while(|&&x| x >= LARGE_STEP_FACTOR * typical).count() < MIN_LARGE_STEPS {
+    if !anchored(tokens) {
         return None;
     }
     let size_weights = size_class_weights(points);
@@ -350,10 +458,24 @@ mod tests {
 
     /// A busy engine's steps at `rate` tokens/s with 20–40 ms of per-step cost: most store one to
     /// sixteen blocks, one in ten a prompt of 4k to 8k tokens; half the pairs of batches span one to
-    /// five silent steps and one in ten an idle second or more.
+    /// five silent steps and one in ten an idle second or more. Each step's batch is published as
+    /// it ends.
     fn feed(cadence: &mut StepCadence, rate: f64, steps: usize, seed: u64) {
+        publish(cadence, &engine_steps(rate, steps, seed), StepAlignment::AfterStep);
+    }
+
+    /// Each step that stored blocks, in engine seconds (see [`feed`]).
+    struct EngineStep {
+        tokens: u64,
+        running: u64,
+        start: f64,
+        end: f64,
+    }
+
+    fn engine_steps(rate: f64, steps: usize, seed: u64) -> Vec<EngineStep> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut t = 1_000.0;
+        let mut out = Vec::with_capacity(steps);
         for _ in 0..steps {
             let tokens = 64
                 * if rng.random::<f64>() < 0.1 { rng.random_range(64..=128u64) } else { rng.random_range(1..=16u64) };
@@ -368,10 +490,41 @@ mod tests {
             }
             // Busy steps are small ones: the running batch is larger when the step computes less.
             let running = if tokens < 1_024 { rng.random_range(20..=60u64) } else { rng.random_range(0..=10u64) };
+            let start = t;
             t += step(&mut rng) + running as f64 * PER_SEQUENCE_S + tokens as f64 / rate;
-            if let Some(window) = cadence.observe(tokens, running, t, None) {
+            out.push(EngineStep { tokens, running, start, end: t });
+        }
+        out
+    }
+
+    /// Publishes `steps` as an engine of `alignment` does: each step's blocks once it has run, or
+    /// (async scheduling) as the step before it ends, which is when it starts.
+    fn publish(cadence: &mut StepCadence, steps: &[EngineStep], alignment: StepAlignment) {
+        for s in steps {
+            let at = match alignment {
+                StepAlignment::AfterStep => s.end,
+                StepAlignment::BeforeStep => s.start,
+            };
+            if let Some(window) = cadence.observe(s.tokens, s.running, at, None) {
                 cadence.set_fit(window.fit());
             }
+        }
+    }
+
+    #[test]
+    fn an_engine_that_publishes_before_its_steps_is_fitted_with_the_time_after_each_batch() {
+        for (rate, seed) in [(20_000.0, 1), (6_000.0, 2), (60_000.0, 3)] {
+            let steps = engine_steps(rate, 200, seed);
+            let mut ahead = StepCadence::default();
+            publish(&mut ahead, &steps, StepAlignment::BeforeStep);
+            let measured = 1.0 / ahead.seconds_per_token().expect("enough points");
+            assert!((measured / rate - 1.0).abs() < 0.1, "measured {measured:.0} for {rate:.0}");
+            assert_eq!(ahead.alignment(), Some(StepAlignment::BeforeStep));
+            // The case under test: pairing each batch with the time before it reads the engine
+            // far too fast, or not at all.
+            let window = &ahead.after_step.window(f64::INFINITY);
+            let misread = fit_aligned(window).cost.map(|c| 1.0 / c.seconds_per_token);
+            assert!(misread.is_none_or(|m| m > 1.5 * rate), "paired with the time before: {misread:?} for {rate:.0}");
         }
     }
 
@@ -382,7 +535,8 @@ mod tests {
             feed(&mut c, rate, 200, seed);
             let measured = 1.0 / c.seconds_per_token().expect("enough points");
             assert!((measured / rate - 1.0).abs() < 0.1, "measured {measured:.0} for {rate:.0}");
-            let per_sequence = c.cost.and_then(|c| c.seconds_per_sequence).expect("the running count varied");
+            let per_sequence = c.cost.and_then(|(c, _)| c.seconds_per_sequence).expect("the running count varied");
+            assert_eq!(c.alignment(), Some(StepAlignment::AfterStep));
             assert!((per_sequence / PER_SEQUENCE_S - 1.0).abs() < 0.2, "{per_sequence} s per sequence");
         }
     }
@@ -440,20 +594,21 @@ mod tests {
     fn large_steps_leaving_the_window_are_kept_for_five_minutes() {
         let mut c = StepCadence::default();
         feed(&mut c, 20_000.0, 200, 4);
-        assert!(c.large_from_tokens.is_finite(), "a window was fitted");
-        let large_before = c.points.iter().filter(|p| p.tokens >= c.large_from_tokens).count();
+        let steps = &c.after_step;
+        assert!(steps.large_from_tokens.is_finite(), "a window was fitted");
+        let large_before = steps.points.iter().filter(|p| p.tokens >= steps.large_from_tokens).count();
         assert!(large_before >= MIN_LARGE_STEPS, "{large_before} large steps");
         // Small steps only, 40 ms apart, until the window holds none of the first ones.
-        let mut t = c.last.expect("a batch").1;
+        let mut t = c.last.expect("a batch").at;
         let mut window = None;
         for _ in 0..STEP_WINDOW {
             t += 0.040;
             window = c.observe(64, 10, t, None).or(window);
         }
-        assert!(c.points.iter().all(|p| p.tokens == 64.0));
-        assert!(c.large.len() >= MIN_LARGE_STEPS, "{} kept", c.large.len());
+        assert!(c.after_step.points.iter().all(|p| p.tokens == 64.0));
+        assert!(c.after_step.large.len() >= MIN_LARGE_STEPS, "{} kept", c.after_step.large.len());
         let with_kept = window.expect("a refit was due").fit();
-        assert!(with_kept.cost.is_some(), "the kept large steps still anchor the fit");
+        assert!(with_kept.after_step.cost.is_some(), "the kept large steps still anchor the fit");
         // Five minutes on, they are too old to be handed out.
         let mut due = None;
         for _ in 0..48 {
@@ -461,7 +616,7 @@ mod tests {
             due = c.observe(64, 10, t, None).or(due);
         }
         let stale = due.expect("a refit was due");
-        assert!(stale.points.iter().all(|p| p.tokens == 64.0), "old large steps left out");
+        assert!(stale.after_step.iter().all(|p| p.tokens == 64.0), "old large steps left out");
     }
 
     #[test]
@@ -508,12 +663,19 @@ mod tests {
         c.observe(512, 1, 10.0, Some(0));
         c.observe(512, 1, 10.1, Some(1));
         c.observe(512, 1, 10.05, Some(1));
-        c.observe(0, 1, 10.2, Some(1));
         c.observe(512, 1, f64::NAN, Some(1));
         c.observe(512, 1, 30.0, Some(1));
-        assert!(c.points.is_empty(), "{:?}", c.points);
-        c.observe(512, 1, 30.1, Some(1));
-        assert_eq!(c.points.len(), 1);
+        assert!(c.after_step.points.is_empty(), "{:?}", c.after_step.points);
+        assert!(c.before_step.points.is_empty(), "{:?}", c.before_step.points);
+        // A batch without tokens makes no point of its own, but it ends the step of the batch
+        // before it when the engine publishes before its steps.
+        c.observe(0, 1, 30.1, Some(1));
+        assert!(c.after_step.points.is_empty());
+        let ended: Vec<_> = c.before_step.points.iter().map(|p| (p.tokens, (p.seconds * 1e3).round())).collect();
+        assert_eq!(ended, [(512.0, 100.0)]);
+        c.observe(256, 1, 30.3, Some(1));
+        assert_eq!(c.after_step.points.len(), 1);
+        assert_eq!(c.before_step.points.len(), 1, "the batch before had no tokens");
     }
 
     #[test]

@@ -95,6 +95,14 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
         planned_off == configured,
         "calibration off, yet a plans with {planned_off:.0}, not the configured {configured:.0}"
     );
+    // vLLM turns async scheduling off on the CPU, so the engine publishes each step's events once
+    // the step has run; the fit must have found that pairing, not the one async scheduling needs.
+    ensure!(
+        router["step_alignment"] == "after_step",
+        "vLLM on the CPU publishes after each step, yet the fit paired batches as {} (measured {measured_off:.0} \
+         tokens/s, the client {client_rate:.0})",
+        router["step_alignment"]
+    );
     let metrics = http().get(format!("{}/metrics", gw.url)).send().await?.text().await?;
     ensure!(
         metrics

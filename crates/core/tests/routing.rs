@@ -366,6 +366,7 @@ fn with_calibration_off_the_rate_is_measured_and_shown_but_not_planned_with() {
     let status = router.worker_status(&wid(0), T0).unwrap();
     let measured = status.measured_prefill_tokens_per_s.expect("measured with calibration off");
     assert!((measured - 8_000.0).abs() < 200.0, "{measured}");
+    assert_eq!(status.step_alignment, Some(kvgate_core::step_cadence::StepAlignment::AfterStep));
     assert_eq!(status.prefill_tokens_per_s, 20_000.0);
     let d = decide(&router, &Req::new(&router, 98, &tokens("before", 1000), 64), T0);
     assert_eq!(d.scores[0].prefill_tokens_per_s, 20_000.0);

@@ -3,6 +3,7 @@
 //! they are never older than the router's own view, and an engine removed from the fleet leaves no
 //! series behind.
 
+use kvgate_core::step_cadence::StepAlignment;
 use kvgate_core::WorkerStatus;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
@@ -30,6 +31,15 @@ pub struct RateLabels {
     pub rate: String,
 }
 
+/// `engine` and `alignment` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AlignmentLabels {
+    /// The engine's worker id.
+    pub engine: String,
+    /// `after_step` or `before_step`.
+    pub alignment: String,
+}
+
 type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 /// The per-engine gauges of the router's view.
@@ -44,9 +54,13 @@ pub struct FleetGauges {
     kv_state: Family<KvStateLabels, Gauge>,
     prefill_rate: Family<RateLabels, FloatGauge>,
     decode_rate: Family<RateLabels, FloatGauge>,
+    step_alignment: Family<AlignmentLabels, Gauge>,
 }
 
 const STATES: [&str; 4] = ["synced", "incomplete", "stale", "invalid"];
+
+const ALIGNMENTS: [(StepAlignment, &str); 2] =
+    [(StepAlignment::AfterStep, "after_step"), (StepAlignment::BeforeStep, "before_step")];
 
 impl FleetGauges {
     /// Registers the gauges in `registry`.
@@ -85,6 +99,12 @@ impl FleetGauges {
             g.decode_rate.clone(),
         );
         registry.register(
+            "engine_step_alignment",
+            "1 for how each engine's KV event batches line up with its steps, as the prefill fit found \
+             (after_step, or before_step under vLLM's async scheduling), 0 for the other; absent before a fit",
+            g.step_alignment.clone(),
+        );
+        registry.register(
             "kv_state",
             "1 for each engine's current KV stream state (synced, incomplete, stale, invalid), 0 for the others",
             g.kv_state.clone(),
@@ -102,6 +122,7 @@ impl FleetGauges {
         self.kv_state.clear();
         self.prefill_rate.clear();
         self.decode_rate.clear();
+        self.step_alignment.clear();
         for w in workers {
             let engine = EngineLabel { engine: w.id.to_string() };
             let count = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -136,6 +157,12 @@ impl FleetGauges {
                 w.measured_decode_tokens_per_s,
                 w.decode_tokens_per_s,
             );
+            if let Some(found) = w.step_alignment {
+                for (alignment, name) in ALIGNMENTS {
+                    let labels = AlignmentLabels { engine: engine.engine.clone(), alignment: name.to_owned() };
+                    self.step_alignment.get_or_create(&labels).set(i64::from(alignment == found));
+                }
+            }
             for state in STATES {
                 let labels = KvStateLabels { engine: engine.engine.clone(), state: state.to_owned() };
                 self.kv_state.get_or_create(&labels).set(i64::from(state == w.kv_state.name()));

@@ -110,6 +110,10 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
             .any(|l| l.starts_with("kvgate_engine_prefill_tokens_per_second{engine=\"a\",rate=\"measured\"}")),
         "the measured rate is not among the gauges"
     );
+    ensure!(
+        metrics.lines().any(|l| l == "kvgate_engine_step_alignment{engine=\"a\",alignment=\"after_step\"} 1"),
+        "the alignment the fit found is not among the gauges"
+    );
 
     // Turned on, the next decisions plan with what was measured.
     let resp = http().put(format!("{}/admin/policy", gw.url)).json(&json!({"calibrate": true})).send().await?;

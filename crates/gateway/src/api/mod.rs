@@ -112,11 +112,12 @@ pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Va
     let limit = state.config.max_body_bytes;
     let announced = hyper::body::Body::size_hint(&body).exact().map_or(limit, |n| (n as usize).min(limit));
     let kib = u32::try_from(announced.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let timeout = state.config.limits.body_timeout;
     let Ok(_budget) = state.body_budget.try_acquire_many(kib) else {
         state.metrics.local_resource_errors.inc();
+        discard(body, limit, timeout).await;
         return Err(ApiError::LocalResources("request body buffer (max_buffered_body_bytes)".into()));
     };
-    let timeout = state.config.limits.body_timeout;
     let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await;
     let bytes = read.map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?.map_err(|e| {
         let too_large = std::error::Error::source(&e)
@@ -130,6 +131,24 @@ pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Va
     })?;
     let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     Ok((bytes, value))
+}
+
+/// Reads and drops a body the gateway refuses before reading it, up to `limit` bytes and for at
+/// most `timeout`, holding none of it. A client still sending it when the answer came and the
+/// connection closed would otherwise see the connection reset (a broken pipe, an incomplete
+/// message) instead of the answer; HTTP/1.1 clients send the whole body before they read.
+async fn discard(mut body: Body, limit: usize, timeout: std::time::Duration) {
+    use http_body_util::BodyExt;
+    let mut seen = 0usize;
+    let drain = async {
+        while let Some(Ok(frame)) = body.frame().await {
+            seen = seen.saturating_add(frame.data_ref().map_or(0, |d| d.len()));
+            if seen > limit {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(timeout, drain).await;
 }
 
 /// Bodies above this size are tokenized on the blocking pool; smaller ones take microseconds and

@@ -108,47 +108,74 @@ pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), A
 /// it), and parses it as JSON. While it arrives, its size (or the limit, when the client did not
 /// say) is held against `max_buffered_body_bytes`: slow clients with large unfinished bodies cannot
 /// add up to more than that (503 when the budget is spent).
-pub(crate) async fn read_json(state: &AppState, body: Body) -> Result<(Bytes, Value), ApiError> {
+pub(crate) async fn read_json(state: &AppState, mut body: Body) -> Result<(Bytes, Value), ApiError> {
     let limit = state.config.max_body_bytes;
     let announced = hyper::body::Body::size_hint(&body).exact().map_or(limit, |n| (n as usize).min(limit));
     let kib = u32::try_from(announced.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
     let timeout = state.config.limits.body_timeout;
     let Ok(_budget) = state.body_budget.try_acquire_many(kib) else {
         state.metrics.local_resource_errors.inc();
-        discard(body, limit, timeout).await;
+        let _ = tokio::time::timeout(timeout, drop_rest(&mut body, limit.max(DROP_AT_LEAST_BYTES))).await;
         return Err(ApiError::LocalResources("request body buffer (max_buffered_body_bytes)".into()));
     };
-    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await;
-    let bytes = read.map_err(|_| ApiError::BodyTimeout(timeout.as_secs_f64()))?.map_err(|e| {
-        let too_large = std::error::Error::source(&e)
-            .is_some_and(|s| s.downcast_ref::<http_body_util::LengthLimitError>().is_some())
-            || e.to_string().contains("length limit");
-        if too_large {
-            ApiError::PayloadTooLarge(limit)
-        } else {
-            ApiError::InvalidRequest { param: None, message: format!("cannot read the request body: {e}") }
+    let started = tokio::time::Instant::now();
+    let bytes = match tokio::time::timeout(timeout, read_limited(body, limit)).await {
+        Err(_) => return Err(ApiError::BodyTimeout(timeout.as_secs_f64())),
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(BodyRead::TooLarge(mut rest))) => {
+            let left = timeout.saturating_sub(started.elapsed());
+            let _ = tokio::time::timeout(left, drop_rest(&mut rest, limit.max(DROP_AT_LEAST_BYTES))).await;
+            return Err(ApiError::PayloadTooLarge(limit));
         }
-    })?;
+        Ok(Err(BodyRead::Failed(e))) => {
+            return Err(ApiError::InvalidRequest { param: None, message: format!("cannot read the request body: {e}") })
+        }
+    };
     let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))?;
     Ok((bytes, value))
 }
 
-/// Reads and drops a body the gateway refuses before reading it, up to `limit` bytes and for at
-/// most `timeout`, holding none of it. A client still sending it when the answer came and the
-/// connection closed would otherwise see the connection reset (a broken pipe, an incomplete
-/// message) instead of the answer; HTTP/1.1 clients send the whole body before they read.
-async fn discard(mut body: Body, limit: usize, timeout: std::time::Duration) {
+/// A refused body is read and dropped up to this many bytes (or the body limit, if larger) within
+/// its time, so that a client sending one a few times too large still reads the answer.
+const DROP_AT_LEAST_BYTES: usize = 16 << 20;
+
+/// Why a request body could not be read whole.
+enum BodyRead {
+    /// It is longer than the limit; what is left of it.
+    TooLarge(Body),
+    /// The connection failed while it arrived.
+    Failed(String),
+}
+
+/// Reads a body of at most `limit` bytes; a longer one is handed back unfinished, for the caller to
+/// drop the rest before its 413 ([`drop_rest`]).
+async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, BodyRead> {
+    use http_body_util::BodyExt;
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| BodyRead::Failed(e.to_string()))?;
+        let Ok(data) = frame.into_data() else { continue };
+        if buf.len().saturating_add(data.len()) > limit {
+            return Err(BodyRead::TooLarge(body));
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
+}
+
+/// Reads and drops what is left of a body the gateway answers without using, up to `limit` bytes,
+/// holding none of it. Answered and closed while the client still sends it, the connection is
+/// reset under the client (a broken pipe, an incomplete message) before it reads the answer:
+/// HTTP/1.1 clients send the whole body first. The caller bounds the time.
+async fn drop_rest(body: &mut Body, limit: usize) {
     use http_body_util::BodyExt;
     let mut seen = 0usize;
-    let drain = async {
-        while let Some(Ok(frame)) = body.frame().await {
-            seen = seen.saturating_add(frame.data_ref().map_or(0, |d| d.len()));
-            if seen > limit {
-                break;
-            }
+    while let Some(Ok(frame)) = body.frame().await {
+        seen = seen.saturating_add(frame.data_ref().map_or(0, |d| d.len()));
+        if seen > limit {
+            return;
         }
-    };
-    let _ = tokio::time::timeout(timeout, drain).await;
+    }
 }
 
 /// Bodies above this size are tokenized on the blocking pool; smaller ones take microseconds and

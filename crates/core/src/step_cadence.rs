@@ -121,6 +121,19 @@ pub enum StepAlignment {
     BeforeStep,
 }
 
+impl StepAlignment {
+    /// Both alignments.
+    pub const ALL: [StepAlignment; 2] = [StepAlignment::AfterStep, StepAlignment::BeforeStep];
+
+    /// The name `/admin/workers` and the metrics use.
+    pub fn name(self) -> &'static str {
+        match self {
+            StepAlignment::AfterStep => "after_step",
+            StepAlignment::BeforeStep => "before_step",
+        }
+    }
+}
+
 /// One alignment's points: the window of recent steps and the large steps kept past it.
 #[derive(Debug, Clone, PartialEq)]
 struct AlignedSteps {
@@ -655,6 +668,13 @@ mod tests {
             }
         }
         assert_eq!(same.seconds_per_token(), None);
+    }
+
+    #[test]
+    fn alignment_names_are_the_serialized_ones() {
+        for a in StepAlignment::ALL {
+            assert_eq!(serde_json::to_value(a).expect("serializes"), a.name());
+        }
     }
 
     #[test]

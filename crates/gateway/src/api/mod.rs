@@ -110,7 +110,8 @@ pub(crate) fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), A
 /// add up to more than that (503 when the budget is spent).
 pub(crate) async fn read_json(state: &AppState, mut body: Body) -> Result<(Bytes, Value), ApiError> {
     let limit = state.config.max_body_bytes;
-    let announced = hyper::body::Body::size_hint(&body).exact().map_or(limit, |n| (n as usize).min(limit));
+    let said = hyper::body::Body::size_hint(&body).exact().map(|n| usize::try_from(n).unwrap_or(usize::MAX).min(limit));
+    let announced = said.unwrap_or(limit);
     let kib = u32::try_from(announced.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
     let timeout = state.config.limits.body_timeout;
     let Ok(_budget) = state.body_budget.try_acquire_many(kib) else {
@@ -119,7 +120,7 @@ pub(crate) async fn read_json(state: &AppState, mut body: Body) -> Result<(Bytes
         return Err(ApiError::LocalResources("request body buffer (max_buffered_body_bytes)".into()));
     };
     let started = tokio::time::Instant::now();
-    let bytes = match tokio::time::timeout(timeout, read_limited(body, limit)).await {
+    let bytes = match tokio::time::timeout(timeout, read_limited(body, said.unwrap_or(0), limit)).await {
         Err(_) => return Err(ApiError::BodyTimeout(timeout.as_secs_f64())),
         Ok(Ok(bytes)) => bytes,
         Ok(Err(BodyRead::TooLarge(mut rest))) => {
@@ -147,11 +148,12 @@ enum BodyRead {
     Failed(String),
 }
 
-/// Reads a body of at most `limit` bytes; a longer one is handed back unfinished, for the caller to
-/// drop the rest before its 413 ([`drop_rest`]).
-async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, BodyRead> {
+/// Reads a body of at most `limit` bytes, room made at once for the `said` size (the client's
+/// Content-Length, already held against the budget); a longer one is handed back unfinished, for the caller to drop the rest
+/// before its 413 ([`drop_rest`]).
+async fn read_limited(mut body: Body, said: usize, limit: usize) -> Result<Bytes, BodyRead> {
     use http_body_util::BodyExt;
-    let mut buf = bytes::BytesMut::new();
+    let mut buf = bytes::BytesMut::with_capacity(said);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| BodyRead::Failed(e.to_string()))?;
         let Ok(data) = frame.into_data() else { continue };

@@ -59,9 +59,6 @@ pub struct FleetGauges {
 
 const STATES: [&str; 4] = ["synced", "incomplete", "stale", "invalid"];
 
-const ALIGNMENTS: [(StepAlignment, &str); 2] =
-    [(StepAlignment::AfterStep, "after_step"), (StepAlignment::BeforeStep, "before_step")];
-
 impl FleetGauges {
     /// Registers the gauges in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
@@ -158,8 +155,9 @@ impl FleetGauges {
                 w.decode_tokens_per_s,
             );
             if let Some(found) = w.step_alignment {
-                for (alignment, name) in ALIGNMENTS {
-                    let labels = AlignmentLabels { engine: engine.engine.clone(), alignment: name.to_owned() };
+                for alignment in StepAlignment::ALL {
+                    let labels =
+                        AlignmentLabels { engine: engine.engine.clone(), alignment: alignment.name().to_owned() };
                     self.step_alignment.get_or_create(&labels).set(i64::from(alignment == found));
                 }
             }

@@ -8,21 +8,25 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::ids::BlockKey;
+use crate::ids::{BlockKey, WorkerSlot};
 use crate::load::{PrefillDemand, DEMAND_WINDOW};
 use crate::time::Timestamp;
+use std::time::Duration;
 
 /// Prefixes tracked at most. Past it, the ones asked for least lately are forgotten.
 pub const MAX_TRACKED_PREFIXES: usize = 8_192;
 
 /// One prefix's requests: a rate decayed over [`DEMAND_WINDOW`], like the fleet's prefill.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Demand {
     requests: PrefillDemand,
     /// When the prefix was first asked for (as tracked: a forgotten prefix starts again).
     since: Timestamp,
     /// When it was last asked for: a reading from before then is taken as of then.
     last: Timestamp,
+    /// Copies sent and not yet seen: each worker a copy went to, until when it is expected to hold
+    /// the prefix.
+    copies: Vec<(WorkerSlot, Timestamp)>,
 }
 
 /// What the router knows of a prefix's demand at a decision.
@@ -48,8 +52,12 @@ impl PrefixDemand {
         if self.prefixes.len() >= MAX_TRACKED_PREFIXES && !self.prefixes.contains_key(&prefix) {
             self.forget_coldest(now);
         }
-        let d =
-            self.prefixes.entry(prefix).or_insert(Demand { requests: PrefillDemand::default(), since: now, last: now });
+        let d = self.prefixes.entry(prefix).or_insert(Demand {
+            requests: PrefillDemand::default(),
+            since: now,
+            last: now,
+            copies: Vec::new(),
+        });
         d.requests.add(1, now);
         d.last = d.last.max(now);
     }
@@ -65,6 +73,26 @@ impl PrefixDemand {
         // windows; a younger one has filled only `1 − exp(−age / window)` of it.
         let filled = 1.0 - (-age_s.max(1.0) / DEMAND_WINDOW.as_secs_f64()).exp();
         PrefixHeat { rate_per_s: d.requests.rate(now) / filled, age_s }
+    }
+
+    /// Records a copy of `prefix` sent to `worker` at `now`, expected to hold it within `lands_in`:
+    /// until its KV events show it or that time passes, it counts as a holder
+    /// ([`Self::copies_in_flight`]), so that a burst of requests, all decided before the first copy
+    /// has computed anything, does not copy the prefix to every idle worker at once.
+    pub fn copy_sent(&mut self, prefix: BlockKey, worker: WorkerSlot, now: Timestamp, lands_in: Duration) {
+        if let Some(d) = self.prefixes.get_mut(&prefix) {
+            d.copies.retain(|&(_, until)| until > now);
+            d.copies.retain(|&(w, _)| w != worker);
+            d.copies.push((worker, now.saturating_add(lands_in)));
+        }
+    }
+
+    /// The workers a copy of `prefix` was sent to that may not hold it yet, as of `now`.
+    pub fn copies_in_flight(&self, prefix: BlockKey, now: Timestamp) -> impl Iterator<Item = WorkerSlot> + '_ {
+        self.prefixes
+            .get(&prefix)
+            .into_iter()
+            .flat_map(move |d| d.copies.iter().filter(move |&&(_, until)| until > now).map(|&(w, _)| w))
     }
 
     /// Prefixes tracked.
@@ -116,6 +144,26 @@ mod tests {
         let later = d.heat(hot, at_ms(140_000)).rate_per_s;
         assert!((later * std::f64::consts::E / old.rate_per_s - 1.0).abs() < 0.01, "{later}");
         assert_eq!(d.heat(BlockKey(8), at_ms(0)), PrefixHeat::default());
+    }
+
+    #[test]
+    fn a_copy_is_in_flight_until_it_should_have_landed() {
+        let mut d = PrefixDemand::default();
+        let (hot, a, b) = (BlockKey(7), WorkerSlot(1), WorkerSlot(2));
+        let flying = |d: &PrefixDemand, ms| d.copies_in_flight(hot, at_ms(ms)).collect::<Vec<_>>();
+        // A prefix never asked for has nothing to copy.
+        d.copy_sent(hot, a, at_ms(0), Duration::from_secs(2));
+        assert!(flying(&d, 0).is_empty());
+        d.add(hot, at_ms(0));
+        d.copy_sent(hot, a, at_ms(0), Duration::from_secs(2));
+        d.copy_sent(hot, b, at_ms(500), Duration::from_secs(2));
+        assert_eq!(flying(&d, 1_000), [a, b]);
+        assert_eq!(flying(&d, 2_000), [b], "a's copy should have landed by now");
+        // Sent again, a copy to the same worker counts once, from the later send.
+        d.copy_sent(hot, b, at_ms(2_000), Duration::from_secs(2));
+        assert_eq!(flying(&d, 3_000), [b]);
+        assert!(flying(&d, 4_000).is_empty());
+        assert_eq!(d.copies_in_flight(BlockKey(8), at_ms(0)).count(), 0);
     }
 
     #[test]

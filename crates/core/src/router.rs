@@ -8,7 +8,7 @@ use kvgate_protocol::KvEvent;
 use parking_lot::{Mutex, RwLock};
 use rand::RngCore;
 
-use crate::decision::{Decision, FallbackReason, ScoreTerms, MAX_SCORES};
+use crate::decision::{Decision, FallbackReason, Reason, ScoreTerms, MAX_SCORES};
 use crate::error::CoreError;
 use crate::fleet::{Fleet, Timing, WorkerConfig, WorkerStatus};
 use crate::hashing::{BlockHasher, Namespace};
@@ -20,6 +20,16 @@ use crate::policy::projected;
 use crate::policy::{least_load, policy_for, Choice, Choosing, PolicyConfig, Scored, SeedBook};
 use crate::replicas::ReservationChange;
 use crate::time::Timestamp;
+use std::time::Duration;
+
+/// How long after its projected first token a copy of a hot prefix is still expected to show in
+/// the worker's KV events (their delivery, and a reply to a gap), during which it counts as a
+/// holder.
+const COPY_EVENTS_GRACE: Duration = Duration::from_secs(1);
+
+/// The longest a copy is taken to need to land: a worker scored further off is no copy target for
+/// long.
+const MAX_COPY_LANDING_S: f64 = 60.0;
 
 /// Bounds of the fleet's block size, in tokens.
 pub const BLOCK_SIZE: crate::policy::Knob = crate::policy::Knob {
@@ -355,6 +365,16 @@ impl Router {
         let deepest = scored.iter().map(|s| s.cached_tokens).max().unwrap_or(0) / u64::from(self.block_size.max(1));
         let hot_prefix = (deepest as usize).checked_sub(1).and_then(|i| req.keys.get(i)).copied();
         let heat = hot_prefix.map(|key| fleet.prefix_demand.heat(key, now)).unwrap_or_default();
+        let deepest_tokens = deepest * u64::from(self.block_size.max(1));
+        let copies_in_flight: Vec<WorkerSlot> = hot_prefix
+            .map(|key| {
+                fleet
+                    .prefix_demand
+                    .copies_in_flight(key, now)
+                    .filter(|&slot| scored.iter().any(|s| s.slot == slot && s.cached_tokens < deepest_tokens))
+                    .collect()
+            })
+            .unwrap_or_default();
 
         let mut choosing = Choosing {
             scored: &scored,
@@ -367,6 +387,8 @@ impl Router {
             turn: fleet.turns,
             seeds: if commit { SeedBook::Commit(&mut fleet.seeds) } else { SeedBook::Peek(&fleet.seeds) },
             heat,
+            decode_tokens: req.max_tokens,
+            copies_in_flight: &copies_in_flight,
         };
         let Choice { chosen, reason, enforce } = policy_for(cfg.name).choose(&mut choosing);
 
@@ -383,6 +405,11 @@ impl Router {
             fleet.demand.add(work.prefill_tokens, now);
             if let Some(key) = hot_prefix {
                 fleet.prefix_demand.add(key, now);
+                if reason == Reason::Replicate {
+                    let lands_in = Duration::from_secs_f64(winner.terms.projected_s.clamp(0.0, MAX_COPY_LANDING_S))
+                        + COPY_EVENTS_GRACE;
+                    fleet.prefix_demand.copy_sent(key, winner.slot, now, lands_in);
+                }
             }
             fleet.requests.insert(req.id, winner.slot);
             fleet.turns += 1;

@@ -381,9 +381,14 @@ fn with_calibration_off_the_rate_is_measured_and_shown_but_not_planned_with() {
 }
 
 /// w0 decodes for 30 sequences and holds each prompt but its last 100 tokens just before it comes;
-/// w1 is idle and holds nothing. Requests for `prompt_of(i)` arrive every 100 ms and are released
-/// at once. Returns each decision's (seconds since the first, worker, reason).
-fn ten_a_second(policy: PolicyConfig, prompt_of: impl Fn(u64) -> Vec<u32>) -> Vec<(f64, String, Reason)> {
+/// w1 is idle and holds nothing, and never shows a copy in its KV events. Requests for
+/// `prompt_of(i)`, each decoding `max_tokens`, arrive every 100 ms and are released at once.
+/// Returns each decision's (seconds since the first, worker, reason).
+fn ten_a_second(
+    policy: PolicyConfig,
+    max_tokens: u64,
+    prompt_of: impl Fn(u64) -> Vec<u32>,
+) -> Vec<(f64, String, Reason)> {
     let router = fleet(2, policy);
     (0..200u64)
         .map(|i| {
@@ -392,31 +397,56 @@ fn ten_a_second(policy: PolicyConfig, prompt_of: impl Fn(u64) -> Vec<u32>) -> Ve
             router.update_load(&wid(1), LoadSnapshot { observed_at: now, ..idle() }).unwrap();
             let prompt = prompt_of(i);
             store(&router, &wid(0), &prompt[..prompt.len() - 100]);
-            let d = decide(&router, &Req::new(&router, i, &prompt, 64), now);
+            let d = decide(&router, &Req::new(&router, i, &prompt, max_tokens), now);
             router.release(d.request, now).unwrap();
             (i as f64 / 10.0, d.worker.as_str().to_owned(), d.reason)
         })
         .collect()
 }
 
+fn first_copy(decisions: &[(f64, String, Reason)]) -> usize {
+    decisions.iter().position(|d| d.2 == Reason::Replicate).expect("a copy within 20 s")
+}
+
 #[test]
 fn a_prefix_asked_for_long_and_often_is_copied_to_the_idle_load_winner() {
     let prefix = tokens("shared system prompt", 8192);
-    let decisions = ten_a_second(PolicyConfig::projected(Mode::Enforce), |i| hot_prompt(&prefix, i, 100));
-    // A copy costs this request 0.4 s of prefill. It saves each later request of the prefix
-    // (30 − 0) / 2,000 / 2 = 7.5 ms: at 10 a second, once the prefix has been hot for ~5 s.
-    let first_copy = decisions.iter().position(|d| d.2 == Reason::Replicate).expect("a copy within 20 s");
-    let (at, worker, _) = &decisions[first_copy];
-    assert!((4.0..8.0).contains(at), "the first copy at {at} s");
+    let decisions = ten_a_second(PolicyConfig::projected(Mode::Enforce), 64, |i| hot_prompt(&prefix, i, 100));
+    // A copy costs this request 0.4 s of prefill. w0 runs (30 − 15) sequences more than the fleet's
+    // mean, each 1 / 2,000 s of a step; a copy takes half of them off each later request's steps,
+    // its first and its 64 decoding ones at weight 0.15: 7.5 ms / 2 × (1 + 0.15 × 64) = 40 ms.
+    // At 10 a second, once the prefix has been hot for ~1 s.
+    let copy = first_copy(&decisions);
+    let (at, worker, _) = &decisions[copy];
+    assert!((0.5..2.0).contains(at), "the first copy at {at} s");
     assert_eq!(worker, wid(1).as_str());
     assert!(
-        decisions[..first_copy].iter().all(|d| d.1 == wid(0).as_str() && d.2 == Reason::CacheAndLoad),
+        decisions[..copy].iter().all(|d| d.1 == wid(0).as_str() && d.2 == Reason::CacheAndLoad),
         "before it pays, the holder serves: {decisions:?}"
     );
+    // The copy is a holder while it computes the prompt (0.4 s, and a second for its KV events):
+    // the next requests are not sent to make it again.
+    let next_copy = copy + 1 + first_copy(&decisions[copy + 1..]);
+    assert!(decisions[next_copy].0 - at > 1.3, "copied again at {} s: {decisions:?}", decisions[next_copy].0);
     // Turned off, the holder serves every request.
     let off = PolicyConfig { replication_horizon_s: 0.0, ..PolicyConfig::projected(Mode::Enforce) };
-    let decisions = ten_a_second(off, |i| hot_prompt(&prefix, i, 100));
+    let decisions = ten_a_second(off, 64, |i| hot_prompt(&prefix, i, 100));
     assert!(decisions.iter().all(|d| d.1 == wid(0).as_str()), "{decisions:?}");
+}
+
+#[test]
+fn requests_that_decode_longer_make_a_copy_pay_sooner() {
+    let prefix = tokens("shared system prompt", 8192);
+    let at = |max_tokens| {
+        let decisions =
+            ten_a_second(PolicyConfig::projected(Mode::Enforce), max_tokens, |i| hot_prompt(&prefix, i, 100));
+        decisions[first_copy(&decisions)].0
+    };
+    // Decoding one token, a later request rides about one crowded step: 7.5 ms / 2 × 1.15 saved
+    // each, so the copy pays after ~9 s; decoding 256, after a fraction of a second.
+    let (short, long) = (at(1), at(256));
+    assert!((7.0..12.0).contains(&short), "one token: the first copy at {short} s");
+    assert!(long < 1.0, "256 tokens: the first copy at {long} s");
 }
 
 #[test]
@@ -424,6 +454,6 @@ fn a_session_growing_its_own_prefix_is_never_taken_for_a_hot_one() {
     // Each request extends the one before it by a turn: its longest cached prefix is new every time.
     let history = tokens("one long session", 8192 + 200 * 128);
     let decisions =
-        ten_a_second(PolicyConfig::projected(Mode::Enforce), |i| history[..8192 + 128 * (i as usize + 1)].to_vec());
+        ten_a_second(PolicyConfig::projected(Mode::Enforce), 64, |i| history[..8192 + 128 * (i as usize + 1)].to_vec());
     assert!(decisions.iter().all(|d| d.1 == wid(0).as_str() && d.2 == Reason::CacheAndLoad), "{decisions:?}");
 }

@@ -520,6 +520,10 @@ pub(crate) struct Choosing<'a> {
     pub(crate) seeds: SeedBook<'a>,
     /// The demand for the longest prefix of the request that a worker holds (zero when none does).
     pub(crate) heat: crate::prefix_demand::PrefixHeat,
+    /// The tokens the request may decode: as many steps as a later request of its prefix rides.
+    pub(crate) decode_tokens: u64,
+    /// Workers a copy of that prefix was sent to that do not show it yet.
+    pub(crate) copies_in_flight: &'a [WorkerSlot],
 }
 
 /// What a policy chose, as indices into [`Choosing::scored`].

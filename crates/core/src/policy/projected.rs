@@ -166,23 +166,34 @@ fn occupancy_s(load: &WorkerLoad, new_tokens: u64) -> f64 {
 /// Whether a new copy of the request's hot prefix on the load-only winner saves the prefix's later
 /// requests more than it costs this one (see the module docs).
 ///
-/// With `k` workers holding the prefix, each carries about `1 / k` of its requests and of their
-/// running decodes. A copy on the load-only winner takes its share: every later request of the
-/// prefix rides steps with about `(running on the holder − running on the load winner) / (k + 1)`
-/// fewer sequences, each costing `1 / decode_tps` of a step. Over the time the prefix stays hot
-/// (taken to be as long as it has been hot so far, up to `replication_horizon_s`) its `rate`
-/// requests save that much each; the copy costs this request the difference of the two costs.
+/// With `k` workers holding the prefix (copies sent and not yet seen in the KV events count), each
+/// carries about `1 / k` of its requests and of their running decodes. A copy on the load-only
+/// winner takes its share: every later request of the prefix rides steps with about
+/// `(running on the holder − the fleet's mean running) / (k + 1)` fewer sequences, each costing
+/// `1 / decode_tps` of a step. A request rides one such step to its first token and one per token
+/// it decodes after; a second of the decode's delay is worth `batch_delay_weight` of a second to a
+/// first token, as in the batch delay. Over the time the prefix stays hot (taken to be as long as
+/// it has been hot so far, up to `replication_horizon_s`) its `rate` requests save that much each;
+/// the copy costs this request the difference of the two costs.
 fn copy_pays(c: &Choosing<'_>, cache_winner: usize) -> bool {
     let (w, l) = (&c.scored[cache_winner], &c.scored[c.load_winner]);
     let horizon_s = c.heat.age_s.min(c.cfg.replication_horizon_s);
     let deepest = c.scored.iter().map(|s| s.cached_tokens).max().unwrap_or(0);
     // Only the holder of the hot prefix itself is copied from, and only to a worker without it.
-    if horizon_s <= 0.0 || w.cached_tokens < deepest || l.cached_tokens >= deepest {
+    if horizon_s <= 0.0
+        || w.cached_tokens < deepest
+        || l.cached_tokens >= deepest
+        || c.copies_in_flight.contains(&l.slot)
+    {
         return false;
     }
-    let holders = c.scored.iter().filter(|s| s.cached_tokens >= deepest).count() as f64;
-    let crowding_s = (w.load.running_requests as f64 - l.load.running_requests as f64) / w.load.decode_tps;
-    let saved_s = c.heat.rate_per_s * horizon_s * crowding_s / (holders + 1.0);
+    // A copy sent and not yet seen in the KV events will hold the prefix.
+    let holders = (c.scored.iter().filter(|s| s.cached_tokens >= deepest).count() + c.copies_in_flight.len()) as f64;
+    let mean_running =
+        c.scored.iter().map(|s| s.load.running_requests as f64).sum::<f64>() / c.scored.len().max(1) as f64;
+    let crowding_s = (w.load.running_requests as f64 - mean_running) / w.load.decode_tps;
+    let steps_ridden = 1.0 + c.cfg.batch_delay_weight * c.decode_tokens as f64;
+    let saved_s = c.heat.rate_per_s * horizon_s * crowding_s * steps_ridden / (holders + 1.0);
     let cost = |s: &super::Scored| s.terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
     saved_s > cost(l) - cost(w)
 }

@@ -79,6 +79,9 @@ struct Active {
     private_blocks: u64,
     /// Uncached tokens estimated at arrival, for telemetry while queued.
     uncached_at_arrival: u64,
+    /// Tokens computed after the sequence's last full block: the prompt's tail, then the generated
+    /// tokens fed back in (vLLM flavour, which caches a block of them as soon as it is full).
+    tail: Vec<u32>,
 }
 
 impl Active {
@@ -176,6 +179,7 @@ impl Engine {
             generated: 0,
             private_blocks: 0,
             uncached_at_arrival: prompt_tokens - matched.min(prompt_tokens.saturating_sub(1) / bs as u64 * bs as u64),
+            tail: Vec::new(),
         });
     }
 
@@ -259,6 +263,9 @@ impl Engine {
             if chunk == 0 {
                 r.generated += 1;
                 out.decoded.push(r.id);
+                if self.profile.flavor == Flavor::Vllm {
+                    self.cache_generated_block(i);
+                }
                 continue;
             }
             r.prefilled += chunk;
@@ -280,7 +287,10 @@ impl Engine {
             let r = &mut self.running[i];
             if r.prefill_left() == 0 {
                 r.generated = 1;
-                r.tokens = Vec::new();
+                let tokens = std::mem::take(&mut r.tokens);
+                if self.profile.flavor == Flavor::Vllm {
+                    r.tail = tokens[tokens.len() / bs as usize * bs as usize..].to_vec();
+                }
                 out.first_tokens.push(r.id);
             }
         }
@@ -305,6 +315,40 @@ impl Engine {
         self.running = kept;
         out.batch = self.flush_events();
         out
+    }
+
+    /// Feeds running request `i`'s newest generated token back in (it has just decoded one): once
+    /// that fills a block, vLLM caches the block and publishes it, one block chained to the
+    /// sequence's last, as it does every decode-filled block. The model's output tokens are
+    /// pseudo-random ids of the request, so such a block only ever matches its own sequence.
+    fn cache_generated_block(&mut self, i: usize) {
+        let bs = self.profile.block_size as usize;
+        let r = &mut self.running[i];
+        // The token sampled last step is computed this step: the `generated − 1`-th, from 1.
+        let fed = u64::from(r.generated).saturating_sub(2);
+        r.tail.extend(kvgate_core::hashing::synthetic_tokens(r.id.0 ^ fed.rotate_left(32), 1));
+        if r.tail.len() < bs {
+            return;
+        }
+        let tokens = std::mem::take(&mut r.tail);
+        let parent = r.hashes.last().copied();
+        let mut keys = Vec::with_capacity(1);
+        self.hasher.extend_keys(BlockKey(parent.map_or(self.salt, |h| h.0)), &tokens, bs, &mut keys);
+        let Some(hash) = keys.first().map(|k| EngineHash(k.0)) else { return };
+        let r = &mut self.running[i];
+        r.hashes.push(hash);
+        r.published_blocks = r.hashes.len();
+        r.private_blocks = r.private_blocks.saturating_sub(1);
+        if self.cache.publish(hash) {
+            self.pending_events.push(KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: parent,
+                token_ids: tokens,
+                block_size: bs as u32,
+                medium: Some("GPU".into()),
+                ..BlockStored::default()
+            }));
+        }
     }
 
     /// Publishes the prompt blocks from `start` on, as chained `BlockStored` runs.

@@ -201,3 +201,42 @@ fn aborting_one_request_frees_its_blocks_and_leaves_the_others_running() {
     assert_eq!(finished, vec![RequestId(2)]);
     assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0);
 }
+
+#[test]
+fn vllm_publishes_each_block_its_decoding_fills_and_sglang_does_not() {
+    // 40 prompt tokens: two full blocks and 8 tokens of tail. 30 generated, of which 29 are fed
+    // back in (the last is never computed): 69 tokens, so the decode fills blocks 3 and 4.
+    let prompt = synthetic_tokens(3, 40);
+    let stored = |flavor| {
+        let mut e = Engine::new(EngineProfile { flavor, ..small_profile(100_000) }, 1);
+        e.submit(req(1, prompt.clone(), 30));
+        let (_, outs) = run(&mut e);
+        let stored: Vec<_> = events(&outs)
+            .into_iter()
+            .filter_map(|ev| match ev {
+                KvEvent::BlockStored(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        (stored, e.cached_blocks())
+    };
+    let (vllm, cached) = stored(Flavor::Vllm);
+    assert_eq!(vllm.len(), 3, "the prompt's two blocks in one run, then one event per filled block: {vllm:?}");
+    let (prompt_run, fills) = (&vllm[0], &vllm[1..]);
+    assert_eq!(prompt_run.block_hashes.len(), 2);
+    assert_eq!(fills[0].parent_block_hash, prompt_run.block_hashes.last().copied(), "chained to the sequence");
+    assert_eq!(fills[1].parent_block_hash, Some(fills[0].block_hashes[0]));
+    assert_eq!(fills[0].token_ids[..8], prompt[32..], "the prompt's tail starts the first filled block");
+    assert!(fills.iter().all(|f| f.block_hashes.len() == 1 && f.token_ids.len() == 16));
+    assert_eq!(cached, 4, "the filled blocks stay cached once the request finishes");
+    let mut index = KvIndex::new(16);
+    index.add_worker(WorkerSlot(0), KvState::Synced);
+    for s in vllm {
+        index.apply(WorkerSlot(0), &KvEvent::BlockStored(s), Timestamp::ZERO);
+    }
+    assert_eq!(index.blocks_held(WorkerSlot(0)), 4, "the router indexes them as the engine holds them");
+
+    let (sglang, cached) = stored(Flavor::Sglang);
+    assert_eq!(sglang.len(), 1, "SGLang publishes the prompt's blocks only: {sglang:?}");
+    assert_eq!(cached, 2);
+}

@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_engine_model::{Engine, EngineProfile};
+use kvgate_engine_model::{Engine, EngineProfile, Flavor};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -146,7 +146,13 @@ impl MockEngine {
             events::start(&cfg.host, cfg.kv_port, cfg.replay_port, cfg.format, faults.clone(), batch_rx, clock)
                 .await
                 .map_err(|e| format!("cannot bind the KV event sockets: {e}"))?;
-        let engine = Engine::new(cfg.profile.clone(), cfg.seed);
+        // The model follows the conventions of the engine whose events it speaks: vLLM publishes
+        // decode-filled blocks, SGLang opens every process with `AllBlocksCleared`.
+        let flavor = match cfg.format {
+            EventFormat::Vllm => Flavor::Vllm,
+            EventFormat::Sglang => Flavor::Sglang,
+        };
+        let engine = Engine::new(EngineProfile { flavor, ..cfg.profile.clone() }, cfg.seed);
         let block_size = cfg.profile.block_size;
         let stepper = tokio::spawn(stepper::run(engine, cfg.speedup, cmd_rx, batch_tx, shared.clone(), clock));
         let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))

@@ -81,8 +81,7 @@ impl PrefixDemand {
     /// has computed anything, does not copy the prefix to every idle worker at once.
     pub fn copy_sent(&mut self, prefix: BlockKey, worker: WorkerSlot, now: Timestamp, lands_in: Duration) {
         if let Some(d) = self.prefixes.get_mut(&prefix) {
-            d.copies.retain(|&(_, until)| until > now);
-            d.copies.retain(|&(w, _)| w != worker);
+            d.copies.retain(|&(w, until)| until > now && w != worker);
             d.copies.push((worker, now.saturating_add(lands_in)));
         }
     }

@@ -332,9 +332,7 @@ impl Engine {
         }
         let tokens = std::mem::take(&mut r.tail);
         let parent = r.hashes.last().copied();
-        let mut keys = Vec::with_capacity(1);
-        self.hasher.extend_keys(BlockKey(parent.map_or(self.salt, |h| h.0)), &tokens, bs, &mut keys);
-        let Some(hash) = keys.first().map(|k| EngineHash(k.0)) else { return };
+        let hash = EngineHash(self.hasher.block_key(BlockKey(parent.map_or(self.salt, |h| h.0)), &tokens).0);
         let r = &mut self.running[i];
         r.hashes.push(hash);
         r.published_blocks = r.hashes.len();

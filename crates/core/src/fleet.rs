@@ -198,10 +198,20 @@ pub const CALIBRATION_DEAD_BAND: f64 = 0.5;
 
 /// When one in-flight request's first token came, and the running batch then: the start of the
 /// inter-token times that calibrate the decode rate.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Timing {
     /// When, the running batch then, and the prompt tokens the engine had computed by then.
     first_token: Option<(Timestamp, u64, u64)>,
+    /// When the request was dispatched, and its prompt's block keys: a step that stored one of them
+    /// may have computed it, and then started after the dispatch.
+    dispatched: Option<(Timestamp, Box<[BlockKey]>)>,
+}
+
+impl Timing {
+    /// A request dispatched at `at` with a prompt of block keys `keys`.
+    pub(crate) fn dispatched(keys: &[BlockKey], at: Timestamp) -> Self {
+        Timing { first_token: None, dispatched: Some((at, keys.into())) }
+    }
 }
 
 /// `measured` when it is off `configured` by more than [`CALIBRATION_DEAD_BAND`], else `configured`.
@@ -326,6 +336,23 @@ impl WorkerState {
             prefill_tps: self.prefill_rate(),
             decode_tps: self.decode_rate(),
         }
+    }
+
+    /// The time after which a step started, by the dispatch of the prompts it computed: the step
+    /// stored runs of blocks first keyed `first_stored`. Each run was computed for one of the
+    /// in-flight requests whose prompts hold its first block; which one is not known (a shared
+    /// prefix, or a later chunk of a long prompt), so each run bounds the step by the earliest of
+    /// them. A run no in-flight prompt holds (generated tokens, a peer's request) bounds nothing.
+    pub(crate) fn step_started_after(&self, first_stored: &[BlockKey]) -> Option<Timestamp> {
+        first_stored
+            .iter()
+            .filter_map(|key| {
+                self.timings
+                    .values()
+                    .filter_map(|t| t.dispatched.as_ref().filter(|(_, keys)| keys.contains(key)).map(|(at, _)| *at))
+                    .min()
+            })
+            .max()
     }
 
     /// The first token of `id` came at `now`, with the running batch it joined.
@@ -503,4 +530,28 @@ pub(crate) fn seed(seeds: &mut FxHashMap<BlockKey, WorkerSlot>, prefix: BlockKey
         }
     }
     seeds.entry(prefix).or_insert(owner);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_started_after_the_earliest_dispatch_of_the_prompts_holding_each_run_it_stored() {
+        let mut w = WorkerState::new(WorkerConfig::new("w"));
+        let key = |k: u64| BlockKey(k);
+        let at = |s: u64| Timestamp::from_millis(s * 1_000);
+        // The second prompt shares the first's leading blocks: a run starting in them may be the
+        // first prompt's later chunk, so only the first's dispatch bounds it.
+        w.timings.insert(RequestId(1), Timing::dispatched(&[key(1), key(2), key(3)], at(1)));
+        w.timings.insert(RequestId(2), Timing::dispatched(&[key(1), key(2), key(4)], at(5)));
+        assert_eq!(w.step_started_after(&[key(2)]), Some(at(1)));
+        assert_eq!(w.step_started_after(&[key(4)]), Some(at(5)));
+        assert_eq!(w.step_started_after(&[key(2), key(4)]), Some(at(5)), "the step computed both runs");
+        assert_eq!(w.step_started_after(&[key(9)]), None, "generated tokens, or a peer's prompt");
+        assert_eq!(w.step_started_after(&[]), None);
+        // A request released is no longer a candidate.
+        w.calibrate_end(RequestId(1), at(6), None);
+        assert_eq!(w.step_started_after(&[key(2)]), Some(at(5)));
+    }
 }

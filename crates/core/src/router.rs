@@ -19,7 +19,9 @@ use crate::load::{LoadSnapshot, PrefillDemand};
 use crate::policy::projected;
 use crate::policy::{least_load, policy_for, Choice, Choosing, PolicyConfig, Scored, SeedBook};
 use crate::replicas::ReservationChange;
+use crate::step_cadence::StepBatch;
 use crate::time::Timestamp;
+use smallvec::SmallVec;
 use std::time::Duration;
 
 /// How long after its projected first token a copy of a hot prefix is still expected to show in
@@ -30,6 +32,12 @@ const COPY_EVENTS_GRACE: Duration = Duration::from_secs(1);
 /// The longest a copy is taken to need to land: a worker scored further off is no copy target for
 /// long.
 const MAX_COPY_LANDING_S: f64 = 60.0;
+
+/// Blocks of a prompt's cached prefix that its engine may have evicted without the router having
+/// heard yet: the engine then computes the prompt from there. A request's dispatch is matched to
+/// the steps that stored its blocks from that far back on ([`crate::step_cadence`]); the cached
+/// prefix before it, often shared by many requests, is not kept per request.
+const EVICTED_BLOCKS_ALLOWED: usize = 16;
 
 /// Bounds of the fleet's block size, in tokens.
 pub const BLOCK_SIZE: crate::policy::Knob = crate::policy::Knob {
@@ -197,23 +205,44 @@ impl Router {
         Ok(())
     }
 
-    /// One scheduler step's KV events arrived live from a worker, stamped `engine_time_s` by the
-    /// engine (publisher `rank`): the step's computed tokens and the time since the previous batch
-    /// are a point of the worker's prefill-rate fit ([`crate::step_cadence`]), which decisions
-    /// plan with when calibration is on. Replayed batches must not be passed here: their spacing is not
-    /// the engine's.
+    /// One scheduler step's KV events arrived live from a worker at `received`, stamped
+    /// `engine_time_s` by the engine (publisher `rank`): the step's computed tokens and its time are
+    /// a point of the worker's prefill-rate fit ([`crate::step_cadence`]), which decisions plan with
+    /// when calibration is on. The step's time is bounded by the batch before it and by the
+    /// dispatch of the requests whose prompts it began. Replayed batches must not be passed here:
+    /// their spacing is not the engine's.
     pub fn observe_engine_step(
         &self,
         id: &WorkerId,
         events: &[KvEvent],
         engine_time_s: f64,
         rank: Option<u32>,
+        received: Timestamp,
     ) -> Result<(), CoreError> {
+        let seconds = |t: Timestamp| t.as_micros() as f64 / 1e6;
         let window = {
             let mut fleet = self.fleet.lock();
-            let worker = fleet.worker_mut(id)?;
-            let running = worker.load().running_requests;
-            worker.steps.observe(crate::step_cadence::computed_tokens(events), running, engine_time_s, rank)
+            let slot = fleet.slot_of(id)?;
+            let first_stored: SmallVec<[BlockKey; 8]> = {
+                let index = self.index.read();
+                events
+                    .iter()
+                    .filter_map(|e| match e {
+                        KvEvent::BlockStored(stored) => index.first_stored_key(slot, stored),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let worker = fleet.workers[slot.index()].as_mut().expect("by_id names live slots");
+            let batch = StepBatch {
+                tokens: crate::step_cadence::computed_tokens(events),
+                running: worker.load().running_requests,
+                engine_time_s,
+                rank,
+                received_s: Some(seconds(received)),
+                dispatched_s: worker.step_started_after(&first_stored).map(seconds),
+            };
+            worker.steps.observe_batch(batch)
         };
         let Some(window) = window else {
             return Ok(());
@@ -399,7 +428,9 @@ impl Router {
             let last_event_at = self.index.read().last_event_at(winner.slot);
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
             state.ledger.reserve(req.id, work, now);
-            state.timings.insert(req.id, Timing::default());
+            let first_uncached = (winner.cached_tokens / u64::from(self.block_size.max(1))) as usize;
+            let computed_from = first_uncached.saturating_sub(EVICTED_BLOCKS_ALLOWED).min(req.keys.len());
+            state.timings.insert(req.id, Timing::dispatched(&req.keys[computed_from..], now));
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.demand.add(work.prefill_tokens, now);

@@ -185,15 +185,76 @@ struct LastBatch {
     running: u64,
 }
 
+/// Batches over which the engine clock's lead is the largest seen (two such spans are kept), so a
+/// clock that is stepped back is followed within a few hundred batches.
+const LEAD_SPAN_BATCHES: u32 = 128;
+
+/// How far the engine's clock runs ahead of the router's, less the quickest delivery of a batch:
+/// the largest `engine time − arrival` of recent batches. It never exceeds the clocks' true offset,
+/// so a dispatch at router time `d` reaches the engine no earlier than engine time `d + lead`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ClockLead {
+    current: f64,
+    previous: f64,
+    in_current: u32,
+}
+
+impl Default for ClockLead {
+    fn default() -> Self {
+        ClockLead { current: f64::NEG_INFINITY, previous: f64::NEG_INFINITY, in_current: 0 }
+    }
+}
+
+impl ClockLead {
+    fn observe(&mut self, lead: f64) {
+        self.current = self.current.max(lead);
+        self.in_current += 1;
+        if self.in_current == LEAD_SPAN_BATCHES {
+            self.previous = self.current;
+            self.current = f64::NEG_INFINITY;
+            self.in_current = 0;
+        }
+    }
+
+    fn get(&self) -> Option<f64> {
+        Some(self.current.max(self.previous)).filter(|l| l.is_finite())
+    }
+}
+
+/// One live batch of KV events: the step it closes, and when the router saw it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepBatch {
+    /// Prompt tokens the step computed ([`computed_tokens`]).
+    pub tokens: u64,
+    /// Sequences in the engine's batch, as the router reckons them.
+    pub running: u64,
+    /// When the engine published it, in seconds of the engine's clock.
+    pub engine_time_s: f64,
+    /// Its publisher (data-parallel rank).
+    pub rank: Option<u32>,
+    /// When it reached the router, in seconds of the router's clock.
+    pub received_s: Option<f64>,
+    /// The latest router-clock dispatch of a request whose prompt the step began: the step cannot
+    /// have started before that request reached the engine.
+    pub dispatched_s: Option<f64>,
+}
+
 /// The prefill (and per-sequence) cost measured from one worker's event batches.
 ///
 /// Whether the engine publishes a step's events after the step or before it (see
 /// [`StepAlignment`]) is not announced anywhere the router can read, so both pairings are fitted.
 /// Pairing tokens with the wrong interval gives each large step the time of a neighbour, mostly a
 /// small one, which flattens the slope: the steeper of the two fits is the engine's.
+///
+/// A step that began a prompt the router dispatched started no earlier than the dispatch reached
+/// the engine. The router sends cache misses, the large steps, to idle engines, so the batch before
+/// such a step is often seconds older than its request: without that bound every large step looked
+/// as long as the idle time or silent decode steps before it (on the simulator, engines of 20k
+/// tokens/s read 13k).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepCadence {
     last: Option<LastBatch>,
+    lead: ClockLead,
     after_step: AlignedSteps,
     before_step: AlignedSteps,
     since_fit: u32,
@@ -205,46 +266,65 @@ pub struct StepCadence {
 
 impl StepCadence {
     /// A batch that computed `tokens` prompt tokens, with `running` sequences in the engine's batch,
-    /// was published at `engine_time_s` (seconds, the engine's clock) by publisher `rank`. Batches
-    /// of different ranks, out of order, or far apart start a new pair instead of making a point.
+    /// was published at `engine_time_s` (seconds, the engine's clock) by publisher `rank`; the
+    /// router's arrival and dispatch times are unknown (see [`StepCadence::observe_batch`]).
+    pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> Option<StepWindow> {
+        self.observe_batch(StepBatch { tokens, running, engine_time_s, rank, received_s: None, dispatched_s: None })
+    }
+
+    /// One live batch. Batches of different ranks, out of order, or far apart start a new pair
+    /// instead of making a point, unless the batch began a prompt dispatched shortly before.
     /// Returns the windows to fit when a refit is due: the caller fits them ([`StepWindow::fit`]),
     /// outside any lock it holds, and hands the result to [`StepCadence::set_fit`].
-    pub fn observe(&mut self, tokens: u64, running: u64, engine_time_s: f64, rank: Option<u32>) -> Option<StepWindow> {
-        if !engine_time_s.is_finite() {
+    pub fn observe_batch(&mut self, batch: StepBatch) -> Option<StepWindow> {
+        let StepBatch { tokens, running, engine_time_s: at, rank, received_s, dispatched_s } = batch;
+        if !at.is_finite() {
             return None;
         }
+        if let Some(received) = received_s.filter(|r| r.is_finite()) {
+            self.lead.observe(at - received);
+        }
         self.computed_total = self.computed_total.saturating_add(tokens);
-        let mut due = None;
-        if let Some(last) = self.last {
-            let seconds = engine_time_s - last.at;
-            if last.rank == rank && seconds > 0.0 && seconds <= MAX_STEP_SECONDS {
-                let point = |tokens: u64, running: u64| StepPoint {
-                    tokens: tokens as f64,
-                    running: running as f64,
-                    seconds,
-                    at: engine_time_s,
-                };
-                if tokens > 0 {
-                    self.after_step.push(point(tokens, running));
-                }
-                if last.tokens > 0 {
-                    self.before_step.push(point(last.tokens, last.running));
-                }
-                if tokens > 0 || last.tokens > 0 {
-                    self.since_fit += 1;
-                }
-                let enough = self.after_step.points.len().max(self.before_step.points.len()) >= MIN_STEP_POINTS;
-                if enough && self.since_fit >= REFIT_EVERY {
-                    self.since_fit = 0;
-                    due = Some(StepWindow {
-                        after_step: self.after_step.window(engine_time_s),
-                        before_step: self.before_step.window(engine_time_s),
-                    });
-                }
+        let since_last = self.last.filter(|l| l.rank == rank).map(|l| at - l.at);
+        if since_last.is_some_and(|s| s <= 0.0) {
+            self.last = Some(LastBatch { rank, at, tokens, running });
+            return None;
+        }
+        let since_dispatch = dispatched_s.zip(self.lead.get()).map(|(d, lead)| at - (d + lead)).filter(|s| *s > 0.0);
+        let within = |s: &f64| *s <= MAX_STEP_SECONDS;
+        let after_step_s = match (since_last, since_dispatch) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+        .filter(within);
+        let point = |tokens: u64, running: u64, seconds: f64| StepPoint {
+            tokens: tokens as f64,
+            running: running as f64,
+            seconds,
+            at,
+        };
+        let mut added = false;
+        if let Some(seconds) = after_step_s.filter(|_| tokens > 0) {
+            self.after_step.push(point(tokens, running, seconds));
+            added = true;
+        }
+        if let (Some(last), Some(seconds)) = (self.last, since_last.filter(within)) {
+            if last.tokens > 0 {
+                self.before_step.push(point(last.tokens, last.running, seconds));
+                added = true;
             }
         }
-        self.last = Some(LastBatch { rank, at: engine_time_s, tokens, running });
-        due
+        self.last = Some(LastBatch { rank, at, tokens, running });
+        if !added {
+            return None;
+        }
+        self.since_fit += 1;
+        let enough = self.after_step.points.len().max(self.before_step.points.len()) >= MIN_STEP_POINTS;
+        if !enough || self.since_fit < REFIT_EVERY {
+            return None;
+        }
+        self.since_fit = 0;
+        Some(StepWindow { after_step: self.after_step.window(at), before_step: self.before_step.window(at) })
     }
 
     /// Installs the fit of a window [`StepCadence::observe`] handed out. Returns whether the
@@ -539,6 +619,94 @@ mod tests {
             let misread = fit_aligned(window).cost.map(|c| 1.0 / c.seconds_per_token);
             assert!(misread.is_none_or(|m| m > 1.5 * rate), "paired with the time before: {misread:?} for {rate:.0}");
         }
+    }
+
+    /// An engine at `rate` tokens/s that a router feeds as kvgate does: every eighth step computes
+    /// a whole prompt (4k to 8k tokens) sent to it idle, a quarter to three seconds after its last
+    /// step, or after two to six silent decode steps; the others store a block or a few. Returns
+    /// each batch as the router sees it: published as the step ends, arriving 2 ms later, and the
+    /// prompt's dispatch 3 ms before its step starts (one clock for both sides).
+    fn idle_fed_batches(rate: f64, seed: u64) -> Vec<StepBatch> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut t = 1_000.0;
+        let step = |rng: &mut rand_chacha::ChaCha8Rng| 0.020 + 0.020 * rng.random::<f64>();
+        (0..240)
+            .map(|i| {
+                let whole_prompt = i % 8 == 0;
+                if whole_prompt && rng.random::<bool>() {
+                    t += 0.25 + 2.75 * rng.random::<f64>();
+                } else if whole_prompt || rng.random::<f64>() < 0.5 {
+                    for _ in 0..rng.random_range(if whole_prompt { 2..=6 } else { 1..=5 }) {
+                        t += step(&mut rng);
+                    }
+                }
+                let tokens = 64 * if whole_prompt { rng.random_range(64..=128) } else { rng.random_range(1..=4u64) };
+                let running = rng.random_range(0..=8u64);
+                let start = t;
+                t += step(&mut rng) + running as f64 * PER_SEQUENCE_S + tokens as f64 / rate;
+                StepBatch {
+                    tokens,
+                    running,
+                    engine_time_s: t,
+                    rank: None,
+                    received_s: Some(t + 0.002),
+                    dispatched_s: whole_prompt.then_some(start - 0.003),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_step_is_timed_from_the_dispatch_of_the_prompt_it_began_when_that_came_later() {
+        for (rate, seed) in [(20_000.0, 1), (35_000.0, 2), (60_000.0, 3)] {
+            let measure = |batches: &mut dyn Iterator<Item = StepBatch>| {
+                let mut c = StepCadence::default();
+                for b in batches {
+                    if let Some(window) = c.observe_batch(b) {
+                        c.set_fit(window.fit());
+                    }
+                }
+                c.seconds_per_token().map(|s| 1.0 / s)
+            };
+            let batches = idle_fed_batches(rate, seed);
+            let measured = measure(&mut batches.iter().copied()).expect("enough points");
+            assert!((measured / rate - 1.0).abs() < 0.1, "measured {measured:.0} for {rate:.0}");
+            // The case under test: timed from the batch before alone, every whole prompt carries
+            // the idle time or the silent steps before it.
+            let undated = measure(&mut batches.iter().map(|b| StepBatch { dispatched_s: None, ..*b }));
+            assert!(undated.is_none_or(|m| m < 0.85 * rate), "without the dispatches: {undated:?} for {rate:.0}");
+        }
+    }
+
+    #[test]
+    fn a_dispatch_reaches_the_engine_no_sooner_than_the_quickest_batch_says() {
+        let mut c = StepCadence::default();
+        // The engine's clock runs 100 s ahead of the router's; batches take 5 to 50 ms to arrive.
+        for (i, delay) in [0.050, 0.005, 0.020].into_iter().enumerate() {
+            let at = 1_100.0 + i as f64;
+            c.observe_batch(StepBatch {
+                tokens: 0,
+                running: 0,
+                engine_time_s: at,
+                rank: None,
+                received_s: Some(at - 100.0 + delay),
+                dispatched_s: None,
+            });
+        }
+        assert_eq!(c.lead.get(), Some(100.0 - 0.005));
+        // A prompt dispatched at router time 1,010 began a step that ended at engine time 1,110.5:
+        // it took at most 0.5 s and the quickest delivery.
+        c.observe_batch(StepBatch {
+            tokens: 4_096,
+            running: 1,
+            engine_time_s: 1_110.5,
+            rank: None,
+            received_s: Some(1_010.6),
+            dispatched_s: Some(1_010.0),
+        });
+        let point = c.after_step.points.back().expect("a point, though 8.5 s passed since the last batch");
+        assert!((point.seconds - 0.505).abs() < 1e-9, "{point:?}");
+        assert!(c.before_step.points.is_empty(), "the batch before had no tokens");
     }
 
     #[test]

@@ -345,7 +345,7 @@ fn feed_steps(router: &kvgate_core::Router, real_tps: f64) {
         });
         let silent_step = if i % 3 == 0 { 0.040 } else { 0.0 };
         engine_s += silent_step + 0.040 + f64::from(blocks * block) / real_tps;
-        router.observe_engine_step(&wid(0), &[stored], engine_s, None).unwrap();
+        router.observe_engine_step(&wid(0), &[stored], engine_s, None, Timestamp::from_secs_f64(engine_s)).unwrap();
     }
 }
 

@@ -331,7 +331,13 @@ impl Subscriber {
         }
         let batch = &msg.batch.batch;
         // Live batches only: replayed ones come all at once, and their spacing is not the engine's.
-        let _ = self.ctx.router.observe_engine_step(&self.cfg.worker, &batch.events, batch.ts, batch.dp_rank);
+        let _ = self.ctx.router.observe_engine_step(
+            &self.cfg.worker,
+            &batch.events,
+            batch.ts,
+            batch.dp_rank,
+            self.ctx.clock.now(),
+        );
         let mark = mark(batch);
         let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
         self.act(action).await;

@@ -558,7 +558,7 @@ impl<'w> Simulation<'w> {
     }
 
     fn deliver(&mut self, w: usize, batch: EventBatch, published: Timestamp, now: Timestamp) {
-        self.each_policy(|p| p.on_engine_step(w, &batch.events, published));
+        self.each_policy(|p| p.on_engine_step(w, &batch.events, published, now));
         // The tracker is given no timestamp (the modelled engine's clock never goes back); a batch
         // that clears everything still marks a restart that repeats a sequence number, as in the
         // gateway.

@@ -66,7 +66,7 @@ fn configured_decode() -> f64 {
 fn an_engine_configured_three_times_too_slow_is_planned_at_its_real_rate_within_a_minute() {
     let real = EngineProfile::large_moe_h200().prefill_tokens_per_s;
     let planned = median_planned_prefill_of_first(1.0 / 3.0);
-    assert!((planned - real).abs() < 0.25 * real, "planned {planned:.0} against the real {real:.0} tokens/s");
+    assert!((planned - real).abs() < 0.1 * real, "planned {planned:.0} against the real {real:.0} tokens/s");
     assert!((planned_prefill_of_first(1.0 / 3.0, false, 1) - real / 3.0).abs() < 1.0, "calibration off");
 }
 
@@ -74,7 +74,7 @@ fn an_engine_configured_three_times_too_slow_is_planned_at_its_real_rate_within_
 fn an_engine_configured_three_times_too_fast_is_measured_at_its_real_rate_within_a_minute() {
     let real = EngineProfile::large_moe_h200().prefill_tokens_per_s;
     let planned = median_planned_prefill_of_first(3.0);
-    assert!((planned - real).abs() < 0.25 * real, "planned {planned:.0} against the real {real:.0} tokens/s");
+    assert!((planned - real).abs() < 0.1 * real, "planned {planned:.0} against the real {real:.0} tokens/s");
     assert_eq!(planned_prefill_of_first(3.0, false, 1), 3.0 * real, "calibration off");
 }
 
@@ -88,7 +88,7 @@ fn an_engine_configured_three_times_too_fast_stays_measured_near_its_real_rate_f
     rates.sort_by(f64::total_cmp);
     let planned = rates[2];
     assert!(
-        (planned - real).abs() < 0.25 * real,
+        (planned - real).abs() < 0.15 * real,
         "planned {planned:.0} (median of {rates:?}) against the real {real:.0} tokens/s"
     );
 }
@@ -129,6 +129,18 @@ fn engines_configured_right_keep_their_configured_rates() {
         let moved: Vec<_> = planned.iter().enumerate().filter(|(_, r)| **r != configured).collect();
         assert!(moved.is_empty(), "seed {seed}: engines planned off {configured:?}: {moved:?}");
     }
+}
+
+#[test]
+fn engines_fed_after_idle_time_are_timed_from_the_dispatch_not_the_batch_before() {
+    // The router sends cache misses, the large steps, to idle engines: timed from the batch before
+    // it, each such step carried the idle time or silent decode steps before it, and here (engine 0
+    // configured 3× too slow, seed 4) an engine configured right read 13,273 tokens/s.
+    let real = EngineProfile::large_moe_h200().prefill_tokens_per_s;
+    let rates = planned_rates(1.0 / 3.0, true, 4);
+    assert!((rates[0].0 - real).abs() < 0.1 * real, "engine 0 planned at {:.0}", rates[0].0);
+    let others: Vec<f64> = rates[1..].iter().map(|r| r.0).filter(|&r| r != real).collect();
+    assert!(others.is_empty(), "engines configured right planned off their rate: {others:?}");
 }
 
 #[test]

@@ -189,6 +189,20 @@ impl KvIndex {
         }
     }
 
+    /// The router key of the first block `ev` stores on `slot`, when the event is one the index
+    /// would apply and its parent is already known: which prompt a step was computing.
+    pub fn first_stored_key(&self, slot: WorkerSlot, ev: &BlockStored) -> Option<BlockKey> {
+        let applies = is_prefix_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref())
+            && is_accelerator_medium(ev.medium.as_deref())
+            && ev.block_size == self.block_size;
+        let first_tokens = ev.token_ids.get(..self.block_size as usize).filter(|_| applies)?;
+        let parent = match ev.parent_block_hash {
+            None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
+            Some(parent) => *self.worker(slot)?.engine_to_key.get(&parent)?,
+        };
+        Some(BlockHasher::new().block_key(parent, first_tokens))
+    }
+
     fn apply_stored(&mut self, slot: WorkerSlot, ev: &BlockStored) -> ApplyStats {
         let ignored = ApplyStats { ignored: 1, ..ApplyStats::default() };
         let dropped = ApplyStats { dropped: 1, ..ApplyStats::default() };

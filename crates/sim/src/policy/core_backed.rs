@@ -83,9 +83,9 @@ impl SimPolicy for CorePolicy {
         let _ = self.router.apply_kv_events(&self.ids[worker], events, now);
     }
 
-    fn on_engine_step(&mut self, worker: usize, events: &[KvEvent], engine_time: Timestamp) {
+    fn on_engine_step(&mut self, worker: usize, events: &[KvEvent], engine_time: Timestamp, received: Timestamp) {
         let seconds = engine_time.as_micros() as f64 / 1e6;
-        let _ = self.router.observe_engine_step(&self.ids[worker], events, seconds, None);
+        let _ = self.router.observe_engine_step(&self.ids[worker], events, seconds, None, received);
     }
 
     fn on_kv_state(&mut self, worker: usize, state: KvState, clear: bool) {

@@ -115,8 +115,8 @@ pub trait SimPolicy {
     /// KV events from an engine, in sequence order.
     fn on_kv_events(&mut self, _worker: usize, _events: &[KvEvent], _now: Timestamp) {}
     /// A live batch of KV events arrived, published at the end of the engine step that ended at
-    /// `engine_time` (the engine's clock, as the real engines stamp their batches).
-    fn on_engine_step(&mut self, _worker: usize, _events: &[KvEvent], _engine_time: Timestamp) {}
+    /// `engine_time` (the engine's clock, as the real engines stamp their batches), at `received`.
+    fn on_engine_step(&mut self, _worker: usize, _events: &[KvEvent], _engine_time: Timestamp, _received: Timestamp) {}
     /// The event consumer's verdict on an engine's stream; `clear` first forgets its blocks.
     fn on_kv_state(&mut self, _worker: usize, _state: KvState, _clear: bool) {}
     /// A request produced its first token.

@@ -45,6 +45,10 @@ pub const PREFILL_FIT_ALPHA: f64 = 0.02;
 /// to remember about twenty.
 pub const DECODE_FIT_ALPHA: f64 = 0.01;
 
+/// The largest standard error of a full batch's step time, as the decode fit extrapolates it, as
+/// a fraction of that time, with which the fit is planned with.
+pub const DECODE_STEP_MAX_RELATIVE_ERROR: f64 = 0.3;
+
 /// How far observations may move a configured throughput, as a factor either way. Observations come
 /// from engines under varying batch shapes; a bound keeps one misleading stretch (an idle engine
 /// reporting a tiny rate) from making a worker look 100× slower than its hardware.
@@ -58,20 +62,39 @@ const FIT_MIN_WEIGHT: f64 = 5.0;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 struct LinearFit {
     alpha: f64,
-    /// Decayed sums: weight, Σx, Σy, Σx², Σx·y.
-    sums: [f64; 5],
+    /// Decayed sums: weight, Σx, Σy, Σx², Σx·y, Σy².
+    sums: [f64; 6],
+    /// The decayed sum of the squared weights, for the effective number of points.
+    squared_weights: f64,
 }
 
 impl LinearFit {
     fn new(alpha: f64) -> Self {
-        LinearFit { alpha, sums: [0.0; 5] }
+        LinearFit { alpha, sums: [0.0; 6], squared_weights: 0.0 }
     }
 
     fn observe(&mut self, x: f64, y: f64) {
         let keep = 1.0 - self.alpha;
-        for (sum, v) in self.sums.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+        for (sum, v) in self.sums.iter_mut().zip([1.0, x, y, x * x, x * y, y * y]) {
             *sum = *sum * keep + v;
         }
+        self.squared_weights = self.squared_weights * keep * keep + 1.0;
+    }
+
+    /// The standard error of the line's value at `x`: how far the points pin it down there, which
+    /// grows with the distance from the points' mean.
+    fn standard_error_at(&self, x: f64) -> Option<f64> {
+        let (_, slope) = self.line()?;
+        let [w, sx, sy, sxx, _, syy] = self.sums;
+        let effective_points = w * w / self.squared_weights;
+        if effective_points <= 2.0 {
+            return None;
+        }
+        let mean_x = sx / w;
+        let var_x = sxx / w - mean_x * mean_x;
+        let var_y = syy / w - (sy / w).powi(2);
+        let residual = (var_y - slope * slope * var_x).max(0.0) * effective_points / (effective_points - 2.0);
+        Some((residual * (1.0 + (x - mean_x).powi(2) / var_x) / effective_points).sqrt())
     }
 
     /// Σy / Σx inverted: the mean rate of the points, when there are any.
@@ -88,7 +111,7 @@ impl LinearFit {
 
     /// The line's `(intercept, slope)`, on the same conditions as [`Self::slope`].
     fn line(&self) -> Option<(f64, f64)> {
-        let [w, sx, sy, sxx, sxy] = self.sums;
+        let [w, sx, sy, sxx, sxy, _] = self.sums;
         if w < FIT_MIN_WEIGHT {
             return None;
         }
@@ -247,12 +270,19 @@ impl DecodeRate {
     }
 
     /// The fitted line's rate at a batch of `full_batch` sequences within the correction bound,
-    /// once the points span enough batch sizes.
+    /// once the points span enough batch sizes and pin a full batch's step time down (its
+    /// standard error within [`DECODE_STEP_MAX_RELATIVE_ERROR`] of it): a full batch is often
+    /// several times the batches seen, and a loose slope extrapolated that far read engines up to
+    /// 3× fast.
     pub fn measured(&self, full_batch: u64) -> Option<f64> {
         let (base, per_sequence) = self.fit.line()?;
         let n = full_batch.max(1) as f64;
         // A line that falls or starts below zero says that part costs less than the points resolve.
-        Some(bounded_rate(self.configured, Some((base.max(0.0) + n * per_sequence.max(0.0)) / n)))
+        let full_step = base.max(0.0) + n * per_sequence.max(0.0);
+        if self.fit.standard_error_at(n)? > DECODE_STEP_MAX_RELATIVE_ERROR * full_step {
+            return None;
+        }
+        Some(bounded_rate(self.configured, Some(full_step / n)))
     }
 }
 
@@ -291,6 +321,33 @@ mod tests {
         assert!((at(256) - 256.0 / 0.0692).abs() < 1.0, "{}", at(256));
         // A smaller largest batch pays more of the fixed cost per sequence.
         assert!((at(128) - 128.0 / 0.0436).abs() < 1.0, "{}", at(128));
+    }
+
+    #[test]
+    fn a_decode_line_that_does_not_pin_a_full_batch_down_is_not_extrapolated() {
+        // Steps of 10 ms + 0.4 ms per sequence, seen at 12 to 18 sequences with ±5 ms of noise:
+        // the slope is loose, and 256 sequences are far past the points.
+        let mut rng_state = 7u64;
+        let mut noise = || {
+            rng_state = rng_state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((rng_state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 0.010
+        };
+        let mut loose = DecodeRate::new(2_000.0);
+        for i in 0..60 {
+            let n = 12.0 + f64::from(i % 7);
+            loose.observe_step(n, 0.010 + 0.0004 * n + noise());
+        }
+        assert!(loose.fit.line().is_some(), "the points span enough batch sizes for a line");
+        assert_eq!(loose.measured(256), None);
+        // The same engine seen at 10 to 80 sequences is measured.
+        let mut wide = DecodeRate::new(2_000.0);
+        for i in 0..60 {
+            let n = 10.0 + f64::from(i % 8) * 10.0;
+            wide.observe_step(n, 0.010 + 0.0004 * n + noise());
+        }
+        let measured = wide.measured(256).expect("a fit");
+        let real = 256.0 / (0.010 + 0.0004 * 256.0);
+        assert!((measured / real - 1.0).abs() < 0.1, "{measured:.0} against {real:.0}");
     }
 
     #[test]

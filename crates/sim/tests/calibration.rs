@@ -144,6 +144,24 @@ fn engines_fed_after_idle_time_are_timed_from_the_dispatch_not_the_batch_before(
 }
 
 #[test]
+fn no_engine_configured_right_reads_its_decode_fast_on_profile_b() {
+    // Profile B's streams run in batches of 7 to 20 sequences, and a full batch is 256: a loose
+    // cost per sequence extrapolated that far read engines 1.6-3.8x fast (seeds 1-3: 8,178;
+    // 8,377 and 15,867; 8,067 and 6,768). Slow readings are right here: the scenario's contexts
+    // are longer than the 4k the configured rate assumes.
+    let profile = EngineProfile::llama3_8b_h100();
+    let configured = planned_rates_on(profile.clone(), 60.0, 1.0, false, 1)[0].1;
+    for seed in 1..=3 {
+        let fast: Vec<f64> = planned_rates_on(profile.clone(), 60.0, 1.0, true, seed)
+            .iter()
+            .map(|r| r.1)
+            .filter(|&r| r > 1.5 * configured)
+            .collect();
+        assert!(fast.is_empty(), "seed {seed}: decode read fast against {configured:.0}: {fast:?}");
+    }
+}
+
+#[test]
 fn on_engines_that_publish_decode_filled_blocks_each_engine_is_measured_right_within_a_minute() {
     // Profile B follows vLLM, which publishes the blocks its decoding fills: a busy engine
     // publishes nearly every step, so few pairs of batches span silent steps. When the model

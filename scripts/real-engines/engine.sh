@@ -90,7 +90,10 @@ case "$cmd" in
     pid=$(cat "$run/$name.pid")
     for _ in $(seq 1 $((timeout_s * 2))); do
       if ! engine_alive "$pid"; then
-        echo "engine.sh: engine $name exited during start-up; the end of $run/$name.log:" >&2
+        echo "engine.sh: engine $name exited during start-up; the first errors in $run/$name.log:" >&2
+        # The root cause comes first; the tail is mostly the API server's traceback of the exit.
+        grep -n -m 12 -E "Error|Exception|error:|Traceback" "$run/$name.log" >&2 || true
+        echo "engine.sh: the end of $run/$name.log:" >&2
         tail -n 30 "$run/$name.log" >&2
         exit 1
       fi

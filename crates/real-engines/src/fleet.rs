@@ -237,12 +237,23 @@ impl Fleet {
                 run_dir: run_dir.clone(),
             })
             .collect();
-        let fleet = Fleet { engines, run_dir };
+        let mut fleet = Fleet { engines, run_dir };
         for e in &fleet.engines {
             e.start()?;
         }
-        for e in &fleet.engines {
-            e.wait_ready(timeout).with_context(|| format!("engine {} did not start", e.spec.name))?;
+        for e in &mut fleet.engines {
+            if let Err(first) = e.wait_ready(timeout) {
+                // Ports are free when picked, but the engines bind them later: a process of another
+                // engine can take one meanwhile. One more try, on fresh ports, says why it retried.
+                eprintln!("engine {} did not start; retrying once on fresh ports. {first:#}", e.spec.name);
+                e.stop()?;
+                let ports = free_ports(3)?;
+                (e.port, e.kv_port, e.replay_port) = (ports[0], ports[1], ports[2]);
+                e.start()?;
+                e.wait_ready(timeout).with_context(|| {
+                    format!("engine {} did not start, twice; the first time: {first:#}", e.spec.name)
+                })?;
+            }
         }
         Ok(fleet)
     }

@@ -198,19 +198,21 @@ pub const CALIBRATION_DEAD_BAND: f64 = 0.5;
 
 /// When one in-flight request's first token came, and the running batch then: the start of the
 /// inter-token times that calibrate the decode rate.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Timing {
     /// When, the running batch then, and the prompt tokens the engine had computed by then.
     first_token: Option<(Timestamp, u64, u64)>,
-    /// When the request was dispatched, and its prompt's block keys: a step that stored one of them
-    /// may have computed it, and then started after the dispatch.
-    dispatched: Option<(Timestamp, Box<[BlockKey]>)>,
+    /// When the request was dispatched: a step that stored one of `prompt` may have computed it,
+    /// and then started after that.
+    dispatched: Timestamp,
+    /// The prompt's block keys the engine may compute (see [`crate::router`]'s evicted-block margin).
+    prompt: Box<[BlockKey]>,
 }
 
 impl Timing {
     /// A request dispatched at `at` with a prompt of block keys `keys`.
     pub(crate) fn dispatched(keys: &[BlockKey], at: Timestamp) -> Self {
-        Timing { first_token: None, dispatched: Some((at, keys.into())) }
+        Timing { first_token: None, dispatched: at, prompt: keys.into() }
     }
 }
 
@@ -346,12 +348,7 @@ impl WorkerState {
     pub(crate) fn step_started_after(&self, first_stored: &[BlockKey]) -> Option<Timestamp> {
         first_stored
             .iter()
-            .filter_map(|key| {
-                self.timings
-                    .values()
-                    .filter_map(|t| t.dispatched.as_ref().filter(|(_, keys)| keys.contains(key)).map(|(at, _)| *at))
-                    .min()
-            })
+            .filter_map(|key| self.timings.values().filter(|t| t.prompt.contains(key)).map(|t| t.dispatched).min())
             .max()
     }
 

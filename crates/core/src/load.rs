@@ -45,8 +45,8 @@ pub const PREFILL_FIT_ALPHA: f64 = 0.02;
 /// to remember about twenty.
 pub const DECODE_FIT_ALPHA: f64 = 0.01;
 
-/// The largest standard error of a full batch's step time, as the decode fit extrapolates it, as
-/// a fraction of that time, with which the fit is planned with.
+/// The largest standard error of a full batch's step time as the decode fit extrapolates it, as a
+/// fraction of that time, for the fit to be planned with.
 pub const DECODE_STEP_MAX_RELATIVE_ERROR: f64 = 0.3;
 
 /// How far observations may move a configured throughput, as a factor either way. Observations come
@@ -327,11 +327,9 @@ mod tests {
     fn a_decode_line_that_does_not_pin_a_full_batch_down_is_not_extrapolated() {
         // Steps of 10 ms + 0.4 ms per sequence, seen at 12 to 18 sequences with ±5 ms of noise:
         // the slope is loose, and 256 sequences are far past the points.
-        let mut rng_state = 7u64;
-        let mut noise = || {
-            rng_state = rng_state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            ((rng_state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 0.010
-        };
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let mut noise = || (rng.random::<f64>() - 0.5) * 0.010;
         let mut loose = DecodeRate::new(2_000.0);
         for i in 0..60 {
             let n = 12.0 + f64::from(i % 7);

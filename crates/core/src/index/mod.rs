@@ -23,7 +23,7 @@
 
 mod worker_blocks;
 
-use kvgate_protocol::{is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, KvEvent};
+use kvgate_protocol::{is_accelerator_medium, is_prefix_group, BlockRemoved, BlockStored, EngineHash, KvEvent};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use smallvec::SmallVec;
@@ -68,6 +68,15 @@ impl ApplyStats {
         self.clears += other.clears;
         self.ignored += other.ignored;
         self.dropped += other.dropped;
+    }
+}
+
+/// The key `ev`'s first block chains from on `worker`: its namespace's root, or the key the worker
+/// mapped its parent hash to; the parent hash when the worker never stored it.
+fn chain_parent(worker: &WorkerBlocks, ev: &BlockStored) -> Result<BlockKey, EngineHash> {
+    match ev.parent_block_hash {
+        None => Ok(Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root()),
+        Some(parent) => worker.engine_to_key.get(&parent).copied().ok_or(parent),
     }
 }
 
@@ -196,10 +205,7 @@ impl KvIndex {
             && is_accelerator_medium(ev.medium.as_deref())
             && ev.block_size == self.block_size;
         let first_tokens = ev.token_ids.get(..self.block_size as usize).filter(|_| applies)?;
-        let parent = match ev.parent_block_hash {
-            None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
-            Some(parent) => *self.worker(slot)?.engine_to_key.get(&parent)?,
-        };
+        let parent = chain_parent(self.worker(slot)?, ev).ok()?;
         Some(BlockHasher::new().block_key(parent, first_tokens))
     }
 
@@ -235,15 +241,12 @@ impl KvIndex {
         let Some(worker) = workers.get_mut(slot.index()).and_then(Option::as_mut) else {
             return dropped;
         };
-        let mut key = match ev.parent_block_hash {
-            None => Namespace::new(ev.lora_name.as_deref(), ev.cache_salt.as_deref()).root(),
-            Some(parent) => match worker.engine_to_key.get(&parent) {
-                Some(key) => *key,
-                None => {
-                    worker.mark_incomplete(format!("BlockStored names unknown parent block {:#018x}", parent.0));
-                    return dropped;
-                }
-            },
+        let mut key = match chain_parent(worker, ev) {
+            Ok(key) => key,
+            Err(parent) => {
+                worker.mark_incomplete(format!("BlockStored names unknown parent block {:#018x}", parent.0));
+                return dropped;
+            }
         };
         let mut stats = ApplyStats::default();
         for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {

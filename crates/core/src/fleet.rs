@@ -5,10 +5,13 @@ use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 use serde::Serialize;
+use smallvec::SmallVec;
 
 use crate::decision::FallbackReason;
+use crate::decode_cadence::DecodeCadence;
 use crate::error::CoreError;
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
+use crate::index::StoredRun;
 use crate::ledger::{LoadDelta, WorkerLedger};
 use crate::load::{bounded_rate, DecodeRate, LoadSnapshot, Throughput};
 use crate::policy::projected::WorkerLoad;
@@ -172,6 +175,8 @@ pub(crate) struct WorkerState {
     /// measurement of its own (see [`WorkerState::prefill_rate`]).
     pub(crate) fleet_measured_prefill: Option<f64>,
     pub(crate) decode: DecodeRate,
+    /// The sequences the engine's decode-filled blocks are followed by, to time its decode steps.
+    pub(crate) decode_steps: DecodeCadence,
     /// Whether decisions plan with the measured rates (the policy's `calibrate`); they are
     /// measured either way.
     pub(crate) plan_measured: bool,
@@ -237,6 +242,7 @@ impl WorkerState {
             steps: StepCadence::default(),
             fleet_measured_prefill: None,
             decode: DecodeRate::new(config.decode_tokens_per_s),
+            decode_steps: DecodeCadence::default(),
             plan_measured: false,
             timings: FxHashMap::default(),
             config,
@@ -340,16 +346,40 @@ impl WorkerState {
         }
     }
 
-    /// The time after which a step started, by the dispatch of the prompts it computed: the step
-    /// stored runs of blocks first keyed `first_stored`. Each run was computed for one of the
-    /// in-flight requests whose prompts hold its first block; which one is not known (a shared
-    /// prefix, or a later chunk of a long prompt), so each run bounds the step by the earliest of
-    /// them. A run no in-flight prompt holds (generated tokens, a peer's request) bounds nothing.
-    pub(crate) fn step_started_after(&self, first_stored: &[BlockKey]) -> Option<Timestamp> {
-        first_stored
-            .iter()
-            .filter_map(|key| self.timings.values().filter(|t| t.prompt.contains(key)).map(|t| t.dispatched).min())
-            .max()
+    /// Folds in the runs of blocks one live batch stored, `stored_tokens` tokens in all, stamped
+    /// `engine_time` (seconds, publisher rank) and received at `now`: the decode-filled blocks
+    /// among them time their sequences' decode steps ([`crate::decode_cadence`]). Returns the time
+    /// after which the batch's step started, by the dispatch of the prompts it computed.
+    ///
+    /// Each run of prompt blocks was computed for one of the in-flight requests whose prompts hold
+    /// its first block; which one is not known (a shared prefix, or a later chunk of a long
+    /// prompt), so each run bounds the step by the earliest of them. A run no in-flight prompt
+    /// holds (generated tokens, a peer's request) bounds nothing.
+    pub(crate) fn observe_stored_runs(
+        &mut self,
+        runs: &[StoredRun],
+        stored_tokens: u64,
+        block_size: u32,
+        engine_time: (f64, Option<u32>),
+        now: Timestamp,
+    ) -> Option<Timestamp> {
+        let holders: SmallVec<[Option<Timestamp>; 8]> =
+            runs.iter().map(|run| self.earliest_dispatch_holding(run.first)).collect();
+        let held: SmallVec<[bool; 8]> = holders.iter().map(Option::is_some).collect();
+        let spans = self.decode_steps.observe_batch(runs, &held, stored_tokens, block_size, engine_time, now);
+        for span in spans {
+            // The steps also carried other requests' prefill chunks; their time, at the planned
+            // prefill rate, is not decode.
+            let prefill_s = span.prompt_tokens as f64 / self.prefill_rate();
+            let step_s = (span.seconds - prefill_s) / f64::from(block_size.max(1));
+            self.decode.observe_step(span.batch as f64, step_s);
+        }
+        holders.into_iter().max().flatten()
+    }
+
+    /// The earliest dispatch of the in-flight requests whose prompts hold `key`.
+    fn earliest_dispatch_holding(&self, key: BlockKey) -> Option<Timestamp> {
+        self.timings.values().filter(|t| t.prompt.contains(&key)).map(|t| t.dispatched).min()
     }
 
     /// The first token of `id` came at `now`, with the running batch it joined.
@@ -372,7 +402,9 @@ impl WorkerState {
         let (Some((first_at, running_then, computed_then)), Some(tokens)) = (t.first_token, output_tokens) else {
             return;
         };
-        if tokens < 2 {
+        // An engine that publishes decode-filled blocks times its own steps; a stream's first
+        // bytes to its end measure the API server and the network as well.
+        if tokens < 2 || self.decode_steps.publishes_decode_blocks() {
             return;
         }
         let batch = (running_then + self.load().running_requests) as f64 / 2.0;
@@ -542,13 +574,15 @@ mod tests {
         // first prompt's later chunk, so only the first's dispatch bounds it.
         w.timings.insert(RequestId(1), Timing::dispatched(&[key(1), key(2), key(3)], at(1)));
         w.timings.insert(RequestId(2), Timing::dispatched(&[key(1), key(2), key(4)], at(5)));
-        assert_eq!(w.step_started_after(&[key(2)]), Some(at(1)));
-        assert_eq!(w.step_started_after(&[key(4)]), Some(at(5)));
-        assert_eq!(w.step_started_after(&[key(2), key(4)]), Some(at(5)), "the step computed both runs");
-        assert_eq!(w.step_started_after(&[key(9)]), None, "generated tokens, or a peer's prompt");
-        assert_eq!(w.step_started_after(&[]), None);
+        let run = |parent: u64, first: u64| StoredRun { parent: key(parent), first: key(first), blocks: 2 };
+        let mut started_after = |runs: &[StoredRun]| w.observe_stored_runs(runs, 0, 16, (0.0, None), at(6));
+        assert_eq!(started_after(&[run(1, 2)]), Some(at(1)));
+        assert_eq!(started_after(&[run(2, 4)]), Some(at(5)));
+        assert_eq!(started_after(&[run(1, 2), run(2, 4)]), Some(at(5)), "the step computed both runs");
+        assert_eq!(started_after(&[run(8, 9)]), None, "generated tokens, or a peer's prompt");
+        assert_eq!(started_after(&[]), None);
         // A request released is no longer a candidate.
         w.calibrate_end(RequestId(1), at(6), None);
-        assert_eq!(w.step_started_after(&[key(2)]), Some(at(5)));
+        assert_eq!(w.observe_stored_runs(&[run(1, 2)], 0, 16, (0.0, None), at(6)), Some(at(5)));
     }
 }

@@ -61,6 +61,7 @@
 #![forbid(unsafe_code)]
 
 pub mod decision;
+mod decode_cadence;
 pub mod error;
 mod fleet;
 pub mod hashing;

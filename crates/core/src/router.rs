@@ -13,7 +13,7 @@ use crate::error::CoreError;
 use crate::fleet::{Fleet, Timing, WorkerConfig, WorkerStatus};
 use crate::hashing::{BlockHasher, Namespace};
 use crate::ids::{BlockKey, RequestId, WorkerId, WorkerSlot};
-use crate::index::{ApplyStats, KvIndex, KvState};
+use crate::index::{ApplyStats, KvIndex, KvState, StoredRun};
 use crate::ledger::Work;
 use crate::load::{LoadSnapshot, PrefillDemand};
 use crate::policy::projected;
@@ -207,8 +207,9 @@ impl Router {
 
     /// One scheduler step's KV events arrived live from a worker at `received`, stamped
     /// `engine_time_s` by the engine (publisher `rank`): the step's computed tokens and its time are
-    /// a point of the worker's prefill-rate fit ([`crate::step_cadence`]), which decisions plan with
-    /// when calibration is on. The step's time is bounded by the batch before it and by the
+    /// a point of the worker's prefill-rate fit ([`crate::step_cadence`]), and its decode-filled
+    /// blocks time the decode steps of their sequences ([`crate::decode_cadence`]); decisions plan
+    /// with both when calibration is on. The step's time is bounded by the batch before it and by the
     /// dispatch of the requests whose prompts it began. Replayed batches must not be passed here:
     /// their spacing is not the engine's.
     pub fn observe_engine_step(
@@ -223,24 +224,28 @@ impl Router {
         let window = {
             let mut fleet = self.fleet.lock();
             let slot = fleet.slot_of(id)?;
-            let first_stored: SmallVec<[BlockKey; 8]> = {
+            let runs: SmallVec<[StoredRun; 8]> = {
                 let index = self.index.read();
                 events
                     .iter()
                     .filter_map(|e| match e {
-                        KvEvent::BlockStored(stored) => index.first_stored_key(slot, stored),
+                        KvEvent::BlockStored(stored) => index.stored_run(slot, stored),
                         _ => None,
                     })
                     .collect()
             };
             let worker = fleet.workers[slot.index()].as_mut().expect("by_id names live slots");
+            let tokens = crate::step_cadence::computed_tokens(events);
+            let running = worker.load().running_requests;
+            let started_after =
+                worker.observe_stored_runs(&runs, tokens, self.block_size, (engine_time_s, rank), received);
             let batch = StepBatch {
-                tokens: crate::step_cadence::computed_tokens(events),
-                running: worker.load().running_requests,
+                tokens,
+                running,
                 engine_time_s,
                 rank,
                 received_s: Some(seconds(received)),
-                dispatched_s: worker.step_started_after(&first_stored).map(seconds),
+                dispatched_s: started_after.map(seconds),
             };
             worker.steps.observe_batch(batch)
         };
@@ -431,6 +436,7 @@ impl Router {
             let first_uncached = (winner.cached_tokens / u64::from(self.block_size.max(1))) as usize;
             let computed_from = first_uncached.saturating_sub(EVICTED_BLOCKS_ALLOWED).min(req.keys.len());
             state.timings.insert(req.id, Timing::dispatched(&req.keys[computed_from..], now));
+            state.decode_steps.follow(req.keys.last().copied(), now);
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.demand.add(work.prefill_tokens, now);

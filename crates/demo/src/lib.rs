@@ -328,6 +328,8 @@ pub async fn run_one_on(
                 requests: a.finished.saturating_sub(b.finished),
                 max_waiting: *peak,
                 planned_rates: rates.get(&format!("w{i}")).copied(),
+                measured_rates: None,
+                true_decode_rate: None,
             })
             .collect(),
         hot_prefix: HotPrefix { owner, owner_share: round(owner_share), requests: hot.len() as u64 },

@@ -114,6 +114,8 @@ pub struct Engine {
     pub prompt_tokens_total: u64,
     /// Prompt tokens served from the prefix cache since start.
     pub cached_tokens_total: u64,
+    /// Since start, over every step: decoding sequences, and their context tokens.
+    decoded: (u64, u64),
 }
 
 impl Engine {
@@ -134,6 +136,7 @@ impl Engine {
             replay_buffer: REPLAY_BUFFER_STEPS,
             prompt_tokens_total: 0,
             cached_tokens_total: 0,
+            decoded: (0, 0),
             profile,
         };
         engine.start_process();
@@ -186,6 +189,12 @@ impl Engine {
     /// Whether a step is planned or could be.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// The mean context of a decoding sequence over every step since start, if one decoded: what
+    /// a full batch's decode rate depends on besides its size.
+    pub fn mean_decode_context(&self) -> Option<f64> {
+        (self.decoded.0 > 0).then(|| self.decoded.1 as f64 / self.decoded.0 as f64)
     }
 
     /// Plans the next step and returns its duration in microseconds, or `None` when there is nothing
@@ -248,6 +257,7 @@ impl Engine {
             return None;
         }
         let micros = self.profile.step_micros(n, context, prefill);
+        self.decoded = (self.decoded.0 + n, self.decoded.1 + context);
         self.plan = Some(plan);
         Some(micros)
     }

@@ -61,6 +61,7 @@ fn main() -> ExitCode {
         real::cache::a_prefix_cache_reset_clears_credit_through_all_blocks_cleared,
         real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,
         real::calibration::the_prefill_rate_is_measured_from_the_engines_own_step_cadence,
+        real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
         real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero,
     ];
     if args.list {

@@ -219,6 +219,8 @@ impl Recorder {
                     requests: self.worker_requests[w],
                     max_waiting: self.worker_max_waiting[w],
                     planned_rates: None,
+                    measured_rates: None,
+                    true_decode_rate: None,
                 })
                 .collect(),
             hot_prefix: HotPrefix {
@@ -373,6 +375,15 @@ pub struct WorkerReport {
     /// (kvgate's policies: configured, then calibrated).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub planned_rates: Option<(f64, f64)>,
+    /// The prefill and decode rates the router measured for it by the end of the run, if it had
+    /// (prefill: only when off the configured rate by more than the dead band; decode: dead band
+    /// or not).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured_rates: Option<(Option<f64>, Option<f64>)>,
+    /// The decode rate of a full batch by the engine model's own step time, at the mean context
+    /// its decoding sequences had over the run: what decode calibration should find.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub true_decode_rate: Option<f64>,
 }
 
 /// The tracked hot prefix.

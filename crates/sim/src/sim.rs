@@ -327,7 +327,14 @@ impl<'w> Simulation<'w> {
         let mut report = self.rec.finish(now);
         // The first replica's rates at the end: what calibration made of the configured ones.
         for (w, r) in report.workers.iter_mut().enumerate() {
-            r.planned_rates = self.replicas[0].policy.planned_rates(w);
+            let rates = self.replicas[0].policy.rates(w);
+            r.planned_rates = rates.map(|r| r.planned);
+            r.measured_rates = rates.map(|r| r.measured);
+            let engine = &self.hosts[w].engine;
+            r.true_decode_rate = engine.mean_decode_context().map(|context| {
+                let profile = engine.profile();
+                profile.decode_tokens_per_s(u64::from(profile.max_running), context.round() as u64)
+            });
         }
         report
     }

@@ -144,20 +144,32 @@ fn engines_fed_after_idle_time_are_timed_from_the_dispatch_not_the_batch_before(
 }
 
 #[test]
-fn no_engine_configured_right_reads_its_decode_fast_on_profile_b() {
-    // Profile B's streams run in batches of 7 to 20 sequences, and a full batch is 256: a loose
-    // cost per sequence extrapolated that far read engines 1.6-3.8x fast (seeds 1-3: 8,178;
-    // 8,377 and 15,867; 8,067 and 6,768). Slow readings are right here: the scenario's contexts
-    // are longer than the 4k the configured rate assumes.
-    let profile = EngineProfile::llama3_8b_h100();
-    let configured = planned_rates_on(profile.clone(), 60.0, 1.0, false, 1)[0].1;
+fn on_profile_b_every_engine_measures_the_decode_its_own_contexts_give() {
+    // Profile B follows vLLM, so decode is timed by the blocks decoding fills. The engines'
+    // contexts differ with the prefixes they serve (2k-16k tokens), and so does what a full
+    // batch of them decodes (1,200-3,900 tokens/s here). Timed from streams, engines configured
+    // right read 1.6-3.8x fast on 9 seeds of 10 (6,229-15,867) before the standard-error rule,
+    // and on 1 seed of 10 after it.
     for seed in 1..=3 {
-        let fast: Vec<f64> = planned_rates_on(profile.clone(), 60.0, 1.0, true, seed)
+        let w = workload::multi_prefix(WorkloadParams { workers: None, rate: None, duration_s: Some(60.0), seed });
+        let mut cfg = SimConfig::new(EngineProfile::llama3_8b_h100(), PolicySpec::parse("projected").unwrap(), seed);
+        cfg.knobs = PolicyConfig { calibrate: true, ..PolicyConfig::default() };
+        let report = kvgate_sim::run(&w, cfg).unwrap();
+        let mut ratios: Vec<f64> = report
+            .workers
             .iter()
-            .map(|r| r.1)
-            .filter(|&r| r > 1.5 * configured)
+            .map(|w| {
+                let measured = w.measured_rates.and_then(|r| r.1).expect("every engine's decode measured");
+                measured / w.true_decode_rate.expect("every engine decoded")
+            })
             .collect();
-        assert!(fast.is_empty(), "seed {seed}: decode read fast against {configured:.0}: {fast:?}");
+        ratios.sort_by(f64::total_cmp);
+        let median = ratios[ratios.len() / 2];
+        assert!((0.9..=1.1).contains(&median), "seed {seed}: measured / true decode rates {ratios:.2?}");
+        assert!(
+            ratios.iter().all(|r| (0.6..=1.6).contains(r)),
+            "seed {seed}: measured / true decode rates {ratios:.2?}"
+        );
     }
 }
 

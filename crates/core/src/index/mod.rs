@@ -80,6 +80,17 @@ fn chain_parent(worker: &WorkerBlocks, ev: &BlockStored) -> Result<BlockKey, Eng
     }
 }
 
+/// A run of blocks one `BlockStored` event stores, as the router keys it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredRun {
+    /// The key the run chains from (a namespace's root for a run that starts a sequence).
+    pub parent: BlockKey,
+    /// The key of the run's first block.
+    pub first: BlockKey,
+    /// How many blocks the run stores.
+    pub blocks: usize,
+}
+
 /// The fleet-wide prefix index.
 #[derive(Debug)]
 pub struct KvIndex {
@@ -198,15 +209,20 @@ impl KvIndex {
         }
     }
 
-    /// The router key of the first block `ev` stores on `slot`, when the event is one the index
-    /// would apply and its parent is already known: which prompt a step was computing.
-    pub fn first_stored_key(&self, slot: WorkerSlot, ev: &BlockStored) -> Option<BlockKey> {
+    /// The run of blocks `ev` stores on `slot` as the router keys it, when the event is one the
+    /// index would apply and its parent is already known: which prompt a step was computing, or
+    /// which sequence's decode filled a block.
+    pub fn stored_run(&self, slot: WorkerSlot, ev: &BlockStored) -> Option<StoredRun> {
         let applies = is_prefix_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref())
             && is_accelerator_medium(ev.medium.as_deref())
             && ev.block_size == self.block_size;
         let first_tokens = ev.token_ids.get(..self.block_size as usize).filter(|_| applies)?;
         let parent = chain_parent(self.worker(slot)?, ev).ok()?;
-        Some(BlockHasher::new().block_key(parent, first_tokens))
+        Some(StoredRun {
+            parent,
+            first: BlockHasher::new().block_key(parent, first_tokens),
+            blocks: ev.token_ids.len() / self.block_size.max(1) as usize,
+        })
     }
 
     fn apply_stored(&mut self, slot: WorkerSlot, ev: &BlockStored) -> ApplyStats {

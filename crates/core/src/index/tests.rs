@@ -56,7 +56,7 @@ fn stored_chain_gives_overlap_in_blocks_and_removal_shortens_it() {
 }
 
 #[test]
-fn the_first_stored_key_is_the_prompts_key_at_that_place_once_the_parent_is_known() {
+fn a_stored_run_is_keyed_as_the_prompt_at_that_place_once_the_parent_is_known() {
     let mut index = KvIndex::new(BS);
     index.add_worker(W0, KvState::Synced);
     let tokens: Vec<u32> = (0..16).collect();
@@ -65,14 +65,18 @@ fn the_first_stored_key_is_the_prompts_key_at_that_place_once_the_parent_is_know
         _ => unreachable!("a BlockStored"),
     };
     let root_run = first_of(&stored(&[10, 11], None, tokens[..8].to_vec()));
-    assert_eq!(index.first_stored_key(W0, &root_run), Some(keys(&tokens)[0]));
+    let root = Namespace::new(None, None).root();
+    assert_eq!(index.stored_run(W0, &root_run), Some(StoredRun { parent: root, first: keys(&tokens)[0], blocks: 2 }));
     let next_run = first_of(&stored(&[12], Some(11), tokens[8..12].to_vec()));
-    assert_eq!(index.first_stored_key(W0, &next_run), None, "the parent is not stored yet");
+    assert_eq!(index.stored_run(W0, &next_run), None, "the parent is not stored yet");
     index.apply(W0, &KvEvent::BlockStored(root_run), T0);
-    assert_eq!(index.first_stored_key(W0, &next_run), Some(keys(&tokens)[2]));
+    assert_eq!(
+        index.stored_run(W0, &next_run),
+        Some(StoredRun { parent: keys(&tokens)[1], first: keys(&tokens)[2], blocks: 1 })
+    );
     let other_size = BlockStored { block_size: 2 * BS, ..next_run.clone() };
-    assert_eq!(index.first_stored_key(W0, &other_size), None, "a run the index would not apply");
-    assert_eq!(index.first_stored_key(W1, &next_run), None, "an unknown worker");
+    assert_eq!(index.stored_run(W0, &other_size), None, "a run the index would not apply");
+    assert_eq!(index.stored_run(W1, &next_run), None, "an unknown worker");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use kvgate_core::{
 use kvgate_protocol::KvEvent;
 use rand_chacha::ChaCha8Rng;
 
-use super::{FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerView};
+use super::{FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerRates, WorkerView};
 use crate::SimError;
 
 /// A policy decided by the core.
@@ -107,9 +107,12 @@ impl SimPolicy for CorePolicy {
         let _ = self.router.set_eligible(&self.ids[worker], healthy);
     }
 
-    fn planned_rates(&self, worker: usize) -> Option<(f64, f64)> {
+    fn rates(&self, worker: usize) -> Option<WorkerRates> {
         let status = self.router.worker_status(self.ids.get(worker)?, Timestamp::ZERO).ok()?;
-        Some((status.prefill_tokens_per_s, status.decode_tokens_per_s))
+        Some(WorkerRates {
+            planned: (status.prefill_tokens_per_s, status.decode_tokens_per_s),
+            measured: (status.measured_prefill_tokens_per_s, status.measured_decode_tokens_per_s),
+        })
     }
 
     fn reads_true_state(&self) -> bool {

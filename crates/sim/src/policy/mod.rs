@@ -57,6 +57,15 @@ pub struct PolicyRequest<'a> {
     pub max_tokens: u64,
 }
 
+/// The rates a policy holds for one worker (tokens per second, prefill then decode).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerRates {
+    /// What decisions plan with.
+    pub planned: (f64, f64),
+    /// What was measured, where something was (see [`crate::report::WorkerReport`]).
+    pub measured: (Option<f64>, Option<f64>),
+}
+
 /// A policy's choice.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pick {
@@ -126,8 +135,9 @@ pub trait SimPolicy {
     fn on_finish(&mut self, _id: RequestId, _now: Timestamp, _output_tokens: Option<u64>) {}
     /// Health changed.
     fn on_health(&mut self, _worker: usize, _healthy: bool) {}
-    /// The prefill and decode rates the policy plans with for `worker`, if it has any.
-    fn planned_rates(&self, _worker: usize) -> Option<(f64, f64)> {
+    /// The prefill and decode rates the policy plans with for `worker`, and those it measured,
+    /// if it has any.
+    fn rates(&self, _worker: usize) -> Option<WorkerRates> {
         None
     }
     /// Starts queueing reservation changes for the replica bus, batched by `windows`; false if the

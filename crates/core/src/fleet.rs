@@ -158,10 +158,24 @@ pub struct WorkerStatus {
     pub configured_decode_tokens_per_s: f64,
     /// Effective decode throughput.
     pub decode_tokens_per_s: f64,
-    /// The decode throughput of a full batch measured from streams' inter-token times, within the
-    /// correction bound of the configured one, once their batch sizes allow a fit; planned with
-    /// only when calibration is on and it is off the configured one by more than the dead band.
+    /// The decode throughput of a full batch measured from the engine's decode-filled blocks or
+    /// from streams' inter-token times (see `decode_timing`), within the correction bound of the
+    /// configured one, once their batch sizes allow a fit; planned with only when calibration is
+    /// on and it is off the configured one by more than the dead band.
     pub measured_decode_tokens_per_s: Option<f64>,
+    /// What times the engine's decode steps.
+    pub decode_timing: DecodeTiming,
+}
+
+/// What times a worker's decode steps for calibration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeTiming {
+    /// Streams from their first token to their end, as the gateway sees them: until the engine is
+    /// seen publishing decode-filled blocks (SGLang never is).
+    Streams,
+    /// The blocks the engine fills while decoding, on its own clock (vLLM).
+    DecodeFilledBlocks,
 }
 
 #[derive(Debug)]
@@ -449,6 +463,11 @@ impl WorkerState {
             configured_decode_tokens_per_s: self.config.decode_tokens_per_s,
             decode_tokens_per_s: load.decode_tps,
             measured_decode_tokens_per_s: self.measured_decode_rate(),
+            decode_timing: if self.decode_steps.publishes_decode_blocks() {
+                DecodeTiming::DecodeFilledBlocks
+            } else {
+                DecodeTiming::Streams
+            },
         }
     }
 }

@@ -82,8 +82,8 @@ pub mod time;
 pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};
 pub use error::CoreError;
 pub use fleet::{
-    WorkerConfig, WorkerStatus, CHUNK_TOKENS, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS, MAX_RUNNING_REQUESTS,
-    PREFILL_TOKENS_PER_S,
+    DecodeTiming, WorkerConfig, WorkerStatus, CHUNK_TOKENS, DECODE_TOKENS_PER_S, KV_CAPACITY_TOKENS,
+    MAX_RUNNING_REQUESTS, PREFILL_TOKENS_PER_S,
 };
 pub use hashing::{BlockHasher, Namespace};
 pub use ids::{BlockKey, ReplicaId, RequestId, WorkerId, WorkerSlot};

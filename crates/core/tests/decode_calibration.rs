@@ -105,10 +105,13 @@ fn decode_waves(router: &Router, event_lag_s: f64) {
 fn decode_is_timed_by_the_engines_decode_filled_blocks_not_by_lagging_streams() {
     // Events 0.5 s late: 20 to 50 steps, after each stream's last block and often its end.
     let router = fleet(1, PolicyConfig::default());
+    let before = router.worker_status(&wid(0), T0).unwrap();
+    assert_eq!(before.decode_timing, kvgate_core::DecodeTiming::Streams, "until a decode-filled block is seen");
     decode_waves(&router, 0.5);
     // A full batch of 256 decodes 256 tokens in 10 + 51.2 ms.
     let full_batch = 256.0 / step_s(256);
     let status = router.worker_status(&wid(0), T0).unwrap();
+    assert_eq!(status.decode_timing, kvgate_core::DecodeTiming::DecodeFilledBlocks);
     let measured = status.measured_decode_tokens_per_s.expect("a decode rate measured from the blocks");
     assert!(
         (measured - full_batch).abs() < 0.1 * full_batch,

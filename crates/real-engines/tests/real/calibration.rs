@@ -293,6 +293,11 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
         .with_context(|| format!("no decode rate measured from {sent} streams: {router}"))?;
     let planned_off = router["decode_tokens_per_s"].as_f64().context("a number")?;
     ensure!(planned_off == configured, "calibration off, yet a plans decode at {planned_off:.0}, not {configured:.0}");
+    ensure!(
+        router["decode_timing"] == "decode_filled_blocks",
+        "vLLM publishes the blocks its decoding fills, yet a's decode is timed by {}",
+        router["decode_timing"]
+    );
 
     let (measured, planned) = rates_with_calibration_on(&gw, "decode").await?;
     eprintln!(

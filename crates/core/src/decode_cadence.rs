@@ -40,9 +40,9 @@ pub const MAX_DECODE_TAILS: usize = 1 << 16;
 struct DecodeMark {
     engine_time_s: f64,
     rank: Option<u32>,
-    /// [`DecodeCadence::decode_blocks`] after that batch.
+    /// Decode-filled blocks its rank's batches had stored, that batch included.
     decode_blocks: u64,
-    /// [`DecodeCadence::prompt_tokens`] after that batch.
+    /// Prompt tokens its rank's batches had stored, that batch included.
     prompt_tokens: u64,
 }
 
@@ -66,12 +66,19 @@ pub(crate) struct DecodeSpan {
     pub(crate) prompt_tokens: u64,
 }
 
+/// What one publisher rank's batches stored since start: each data-parallel rank runs its own
+/// batch, so a span counts only its own rank's blocks.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stored {
+    decode_blocks: u64,
+    prompt_tokens: u64,
+}
+
 /// One worker's followed sequences and counts of what its batches stored.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct DecodeCadence {
     tails: FxHashMap<BlockKey, DecodeTail>,
-    decode_blocks: u64,
-    prompt_tokens: u64,
+    stored: SmallVec<[(Option<u32>, Stored); 1]>,
     /// Whether any of the worker's sequences was seen filling a block while decoding.
     publishes_decode_blocks: bool,
     last_purge: Option<Timestamp>,
@@ -124,10 +131,15 @@ impl DecodeCadence {
             }
         }
         self.publishes_decode_blocks |= !decoding.is_empty();
-        self.decode_blocks += decoded_blocks;
-        self.prompt_tokens += stored_tokens.saturating_sub(decoded_blocks * u64::from(block_size));
-        let mark =
-            DecodeMark { engine_time_s, rank, decode_blocks: self.decode_blocks, prompt_tokens: self.prompt_tokens };
+        let stored = self.stored_on(rank);
+        stored.decode_blocks += decoded_blocks;
+        stored.prompt_tokens += stored_tokens.saturating_sub(decoded_blocks * u64::from(block_size));
+        let mark = DecodeMark {
+            engine_time_s,
+            rank,
+            decode_blocks: stored.decode_blocks,
+            prompt_tokens: stored.prompt_tokens,
+        };
         let mut spans = SmallVec::new();
         for (tail, key) in decoding {
             if let Some(before) = tail.mark.filter(|m| m.rank == rank) {
@@ -143,6 +155,18 @@ impl DecodeCadence {
             self.tails.insert(key, DecodeTail { mark: Some(mark), touched: now });
         }
         spans
+    }
+
+    /// The counts of `rank`'s batches.
+    fn stored_on(&mut self, rank: Option<u32>) -> &mut Stored {
+        let at = match self.stored.iter().position(|(r, _)| *r == rank) {
+            Some(at) => at,
+            None => {
+                self.stored.push((rank, Stored::default()));
+                self.stored.len() - 1
+            }
+        };
+        &mut self.stored[at].1
     }
 
     /// Forgets sequences not heard of for [`DECODE_TAIL_KEPT`], once a second.
@@ -189,6 +213,18 @@ mod tests {
         assert_eq!(spans.len(), 1);
         assert!((spans[0].seconds - 0.5).abs() < 1e-12);
         assert_eq!((spans[0].batch, spans[0].prompt_tokens), (3, 512), "its own block and both others'");
+    }
+
+    #[test]
+    fn a_span_counts_only_the_blocks_of_its_own_rank() {
+        let mut cadence = DecodeCadence::default();
+        cadence.follow(Some(key(1)), at(0.0));
+        cadence.observe_batch(&[block(1, 2)], &[false], 16, 16, (1.0, Some(0)), at(1.0));
+        // Rank 1 runs its own batch of three.
+        let others = [block(20, 21), block(30, 31), block(40, 41)];
+        cadence.observe_batch(&others, &[false; 3], 48 + 256, 16, (1.2, Some(1)), at(1.2));
+        let spans = cadence.observe_batch(&[block(2, 3)], &[false], 16, 16, (1.5, Some(0)), at(1.5));
+        assert_eq!((spans[0].batch, spans[0].prompt_tokens), (1, 0));
     }
 
     #[test]

@@ -178,6 +178,19 @@ pub enum DecodeTiming {
     DecodeFilledBlocks,
 }
 
+impl DecodeTiming {
+    /// Every timing, in a fixed order.
+    pub const ALL: [DecodeTiming; 2] = [DecodeTiming::Streams, DecodeTiming::DecodeFilledBlocks];
+
+    /// The name it serializes as.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeTiming::Streams => "streams",
+            DecodeTiming::DecodeFilledBlocks => "decode_filled_blocks",
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct WorkerState {
     pub(crate) config: WorkerConfig,
@@ -583,6 +596,13 @@ pub(crate) fn seed(seeds: &mut FxHashMap<BlockKey, WorkerSlot>, prefix: BlockKey
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_timing_names_are_the_serialized_ones() {
+        for timing in DecodeTiming::ALL {
+            assert_eq!(serde_json::to_value(timing).unwrap(), timing.name());
+        }
+    }
 
     #[test]
     fn a_step_started_after_the_earliest_dispatch_of_the_prompts_holding_each_run_it_stored() {

@@ -86,6 +86,18 @@ async fn every_metric_the_dashboard_draws_is_exported() {
         "{metrics}"
     );
     assert!(!metrics.contains("rate=\"measured\""), "nothing measured yet: {metrics}");
+    // What times decode: one of the two series is 1, the other 0.
+    let timing = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("kvgate_engine_decode_timing{{engine=\"a\",timing=\"{name}\"}} ")))
+            .map(str::to_owned)
+    };
+    let (streams, blocks) = (timing("streams"), timing("decode_filled_blocks"));
+    assert!(
+        matches!((streams.as_deref(), blocks.as_deref()), (Some("1"), Some("0")) | (Some("0"), Some("1"))),
+        "{metrics}"
+    );
 }
 
 #[test]

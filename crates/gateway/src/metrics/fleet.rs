@@ -4,7 +4,7 @@
 //! series behind.
 
 use kvgate_core::step_cadence::StepAlignment;
-use kvgate_core::WorkerStatus;
+use kvgate_core::{DecodeTiming, WorkerStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -31,6 +31,15 @@ pub struct RateLabels {
     pub rate: String,
 }
 
+/// `engine` and `timing` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecodeTimingLabels {
+    /// The engine's worker id.
+    pub engine: String,
+    /// `decode_filled_blocks` or `streams`.
+    pub timing: String,
+}
+
 /// `engine` and `alignment` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AlignmentLabels {
@@ -55,6 +64,7 @@ pub struct FleetGauges {
     prefill_rate: Family<RateLabels, FloatGauge>,
     decode_rate: Family<RateLabels, FloatGauge>,
     step_alignment: Family<AlignmentLabels, Gauge>,
+    decode_timing: Family<DecodeTimingLabels, Gauge>,
 }
 
 const STATES: [&str; 4] = ["synced", "incomplete", "stale", "invalid"];
@@ -92,7 +102,8 @@ impl FleetGauges {
         );
         registry.register(
             "engine_decode_tokens_per_second",
-            "Each engine's full-batch decode throughput: configured, measured from inter-token times, and planned with",
+            "Each engine's full-batch decode throughput: configured, measured (from the blocks it fills while \
+             decoding, or from streams' inter-token times), and planned with",
             g.decode_rate.clone(),
         );
         registry.register(
@@ -100,6 +111,12 @@ impl FleetGauges {
             "1 for how each engine's KV event batches line up with its steps, as the prefill fit found \
              (after_step, or before_step under vLLM's async scheduling), 0 for the other; absent before a fit",
             g.step_alignment.clone(),
+        );
+        registry.register(
+            "engine_decode_timing",
+            "1 for what times each engine's decode steps (decode_filled_blocks, once vLLM is seen publishing \
+             them; streams otherwise), 0 for the other",
+            g.decode_timing.clone(),
         );
         registry.register(
             "kv_state",
@@ -120,6 +137,7 @@ impl FleetGauges {
         self.prefill_rate.clear();
         self.decode_rate.clear();
         self.step_alignment.clear();
+        self.decode_timing.clear();
         for w in workers {
             let engine = EngineLabel { engine: w.id.to_string() };
             let count = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -160,6 +178,10 @@ impl FleetGauges {
                         AlignmentLabels { engine: engine.engine.clone(), alignment: alignment.name().to_owned() };
                     self.step_alignment.get_or_create(&labels).set(i64::from(alignment == found));
                 }
+            }
+            for timing in DecodeTiming::ALL {
+                let labels = DecodeTimingLabels { engine: engine.engine.clone(), timing: timing.name().to_owned() };
+                self.decode_timing.get_or_create(&labels).set(i64::from(timing == w.decode_timing));
             }
             for state in STATES {
                 let labels = KvStateLabels { engine: engine.engine.clone(), state: state.to_owned() };

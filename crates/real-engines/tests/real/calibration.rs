@@ -298,6 +298,11 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
         "vLLM publishes the blocks its decoding fills, yet a's decode is timed by {}",
         router["decode_timing"]
     );
+    let metrics = http().get(format!("{}/metrics", gw.url)).send().await?.text().await?;
+    ensure!(
+        metrics.lines().any(|l| l == "kvgate_engine_decode_timing{engine=\"a\",timing=\"decode_filled_blocks\"} 1"),
+        "what times a's decode is not among the gauges"
+    );
 
     let (measured, planned) = rates_with_calibration_on(&gw, "decode").await?;
     eprintln!(

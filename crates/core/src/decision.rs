@@ -53,6 +53,9 @@ pub enum Reason {
     LoadOnly,
     /// `enforce` escaped from the cache winner to the load-only winner.
     Escape,
+    /// `enforce` sent the request to the worker holding the longest cached prefix of it, dearer than
+    /// the projected winner by at most `reuse_slack` of the winner's cost.
+    Reuse,
     /// `enforce` sent the request to the load-only winner to make it a new copy of a hot prefix:
     /// the time the copy saves the prefix's later requests outweighs what it costs this one.
     Replicate,
@@ -71,6 +74,7 @@ impl Reason {
             Reason::CacheAndLoad => "cache_and_load",
             Reason::LoadOnly => "load_only",
             Reason::Escape => "escape",
+            Reason::Reuse => "reuse",
             Reason::Replicate => "replicate",
             Reason::Fallback(FallbackReason::Missing) => "fallback:missing",
             Reason::Fallback(FallbackReason::Stale) => "fallback:stale",

@@ -95,6 +95,44 @@ fn cache_affinity_is_kept_when_saved_prefill_exceeds_the_load_penalty() {
 }
 
 #[test]
+fn a_reuse_slack_keeps_the_deeper_holder_while_its_cost_is_within_the_slack() {
+    let router = fleet(4, PolicyConfig::projected(Mode::Enforce));
+    let prefix = tokens("system", 8192);
+    let owner_queue = |queued: u64, ms: u64| {
+        let snapshot = LoadSnapshot { observed_at: Timestamp::from_millis(ms), ..busy(1, queued, 0, 0) };
+        router.update_load(&wid(2), snapshot).unwrap();
+    };
+    owner_queue(20_000, 0);
+    store(&router, &wid(2), &prefix);
+    let req = |id| Req::new(&router, id, &hot_prompt(&prefix, id, 100), 64);
+    let cost = |d: &kvgate_core::Decision, w: usize| d.scores.iter().find(|s| s.worker == wid(w)).unwrap().cost_s;
+    // The owner's 1 s queue outweighs the 0.41 s its cache saves: by default an idle peer wins.
+    let d = decide(&router, &req(1), T0);
+    assert_ne!(d.worker, wid(2));
+    assert_eq!(d.reason, Reason::CacheAndLoad);
+    router.release(d.request, T0).unwrap();
+    // Within a slack of 3 (up to 4× the winner's cost) the owner keeps it.
+    router.set_policy(PolicyConfig { reuse_slack: 3.0, ..router.policy() }).unwrap();
+    let d = decide(&router, &req(2), T0);
+    assert_eq!((d.worker.clone(), d.reason, d.cached_tokens), (wid(2), Reason::Reuse, 8192), "{:?}", d.scores);
+    let cheapest = d.scores.iter().map(|s| s.cost_s).fold(f64::INFINITY, f64::min);
+    assert!(cost(&d, 2) > cheapest && cost(&d, 2) <= 4.0 * cheapest, "{:?}", d.scores);
+    router.release(d.request, T0).unwrap();
+    // A 5 s queue is beyond the slack (the escape, at 3600 s, does not decide it).
+    router.set_policy(PolicyConfig { escape_seconds: 3600.0, ..router.policy() }).unwrap();
+    owner_queue(100_000, 1);
+    let d = decide(&router, &req(3), Timestamp::from_millis(1));
+    assert_ne!(d.worker, wid(2));
+    assert_eq!(d.reason, Reason::CacheAndLoad);
+    router.release(d.request, Timestamp::from_millis(1)).unwrap();
+    // The hard escape still applies to the holder the slack would keep.
+    router.set_policy(PolicyConfig { reuse_slack: 100.0, escape_seconds: 2.0, ..router.policy() }).unwrap();
+    let d = decide(&router, &req(4), Timestamp::from_millis(1));
+    assert_eq!(d.reason, Reason::Escape);
+    assert_eq!(d.worker, d.load_only_worker);
+}
+
+#[test]
 fn a_running_batch_costs_its_share_of_each_step_and_a_full_one_a_slot() {
     let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
     // w1 has 0.1 s of queued prefill; w0 none, but 40 running requests with 12,000 tokens to decode.

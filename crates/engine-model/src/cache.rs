@@ -50,6 +50,11 @@ impl PagedCache {
         self.capacity_blocks.saturating_sub(self.blocks.len() as u64 + self.private_blocks)
     }
 
+    /// Whether a block is in the prefix cache.
+    pub(crate) fn contains(&self, hash: EngineHash) -> bool {
+        self.blocks.contains_key(&hash)
+    }
+
     /// How many leading hashes are cached.
     pub(crate) fn match_prefix(&self, hashes: &[EngineHash]) -> usize {
         hashes.iter().take_while(|h| self.blocks.contains_key(h)).count()

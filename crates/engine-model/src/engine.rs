@@ -453,13 +453,27 @@ impl Engine {
         }
     }
 
-    /// Leading tokens of `tokens` whose full blocks are in the prefix cache right now.
+    /// Leading tokens of `tokens` whose full blocks are in the prefix cache right now. Hashing
+    /// stops at the first block not cached, so asking every engine of a fleet costs little.
     pub fn cached_prefix_tokens(&mut self, tokens: &[u32]) -> u64 {
         let bs = self.profile.block_size as usize;
-        let mut keys = Vec::new();
-        self.hasher.extend_keys(BlockKey(self.salt), tokens, bs, &mut keys);
-        let hashes: Vec<EngineHash> = keys.into_iter().map(|k| EngineHash(k.0)).collect();
-        (self.cache.match_prefix(&hashes) * bs) as u64
+        let mut key = BlockKey(self.salt);
+        let mut matched = 0u64;
+        for block in tokens.chunks_exact(bs.max(1)) {
+            key = self.hasher.block_key(key, block);
+            if !self.cache.contains(EngineHash(key.0)) {
+                break;
+            }
+            matched += bs as u64;
+        }
+        matched
+    }
+
+    /// The prompt tokens a request for `tokens` would find cached if it were admitted now: the
+    /// cached prefix, less the last token, which a fully cached prompt still computes.
+    pub fn reusable_prompt_tokens(&mut self, tokens: &[u32]) -> u64 {
+        let bs = u64::from(self.profile.block_size).max(1);
+        self.cached_prefix_tokens(tokens).min((tokens.len() as u64).saturating_sub(1) / bs * bs)
     }
 
     /// Requests queued.

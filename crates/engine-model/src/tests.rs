@@ -240,3 +240,23 @@ fn vllm_publishes_each_block_its_decoding_fills_and_sglang_does_not() {
     assert_eq!(sglang.len(), 1, "SGLang publishes the prompt's blocks only: {sglang:?}");
     assert_eq!(cached, 2);
 }
+
+#[test]
+fn reusable_prompt_tokens_is_what_admission_then_finds_cached() {
+    let mut e = Engine::new(small_profile(100_000), 1);
+    let prompt = synthetic_tokens(3, 640);
+    e.submit(req(1, prompt.clone(), 1));
+    run(&mut e);
+    let extended = [prompt.clone(), synthetic_tokens(4, 100)].concat();
+    let other = synthetic_tokens(5, 640);
+    for (id, tokens) in [(2, prompt), (3, extended), (4, other)] {
+        let reusable = e.reusable_prompt_tokens(&tokens);
+        e.submit(req(id, tokens, 1));
+        let (_, outs) = run(&mut e);
+        let finished = outs.iter().flat_map(|o| o.finished.clone()).next().unwrap();
+        assert_eq!(reusable, finished.cached_tokens, "request {id}");
+    }
+    let cached_whole = synthetic_tokens(3, 640);
+    assert_eq!(e.cached_prefix_tokens(&cached_whole), 640);
+    assert_eq!(e.reusable_prompt_tokens(&cached_whole), 624, "a fully cached prompt computes its last block");
+}

@@ -50,6 +50,9 @@ pub struct Metrics {
     pub escapes: Counter,
     /// New copies of a hot prefix made on the load-only winner (enforce, or would-be in shadow).
     pub replications: Counter,
+    /// Requests sent to a worker holding more of the prompt than the projected winner, within the
+    /// reuse slack (enforce, or would-be in shadow).
+    pub reuses: Counter,
     /// Fallbacks to load-only by reason (enforce, or would-be in shadow).
     pub fallbacks: Family<ReasonLabel, Counter>,
     /// Upstream time to first byte, by engine.
@@ -118,6 +121,12 @@ impl Metrics {
             "replications",
             "Requests sent to the load-only winner to copy a hot prefix there",
             replications.clone(),
+        );
+        let reuses = Counter::default();
+        registry.register(
+            "reuses",
+            "Requests sent to a worker holding more of the prompt than the projected winner, within reuse_slack",
+            reuses.clone(),
         );
         let fallbacks = Family::<ReasonLabel, Counter>::default();
         registry.register("fallbacks", "Load-only fallbacks by telemetry problem", fallbacks.clone());
@@ -197,6 +206,7 @@ impl Metrics {
             shadow_disagreements,
             escapes,
             replications,
+            reuses,
             fallbacks,
             upstream_ttft,
             upstream_duration,

@@ -115,7 +115,7 @@ fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
     if d.shadow_disagrees() {
         m.shadow_disagreements.inc();
     }
-    // Escapes, copies and fallbacks are counted where enforce takes them, and in shadow where it would.
+    // Escapes, copies, reuses and fallbacks are counted where enforce takes them, and in shadow where it would.
     if matches!(d.mode, Mode::Enforce | Mode::Shadow) {
         match d.enforce_reason {
             Some(Reason::Escape) => {
@@ -123,6 +123,9 @@ fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
             }
             Some(Reason::Replicate) => {
                 m.replications.inc();
+            }
+            Some(Reason::Reuse) => {
+                m.reuses.inc();
             }
             Some(Reason::Fallback(r)) => {
                 m.fallbacks.get_or_create(&crate::metrics::ReasonLabel { reason: fallback_label(r) }).inc();

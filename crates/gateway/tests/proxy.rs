@@ -469,6 +469,7 @@ async fn metrics_cover_requests_decisions_and_engines() {
         "kvgate_shadow_disagreements_total 0",
         "kvgate_escapes_total 0",
         "kvgate_replications_total 0",
+        "kvgate_reuses_total 0",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }

@@ -91,10 +91,21 @@ pub struct SimArgs {
     /// sequences [default: 0.15; 0 turns it off].
     #[arg(long)]
     batch_delay_weight: Option<f64>,
+    /// Projected policy: a worker holding more of the prompt than the projected winner is chosen
+    /// while its cost is at most (1 + this) × the winner's [default: 0, which minimises the cost alone].
+    #[arg(long)]
+    reuse_slack: Option<f64>,
     /// Projected policy: longest a hot prefix is expected to stay hot when weighing a new copy of
     /// it, seconds [default: 600; 0 turns copying off].
     #[arg(long)]
     replication_horizon_s: Option<f64>,
+    /// Projected policy: projected KV usage (with the request) above which the pressure barrier
+    /// adds seconds [default: 0.9].
+    #[arg(long)]
+    kv_barrier_threshold: Option<f64>,
+    /// Projected policy: scale of the KV-pressure barrier, seconds [default: 2].
+    #[arg(long)]
+    kv_barrier_scale_s: Option<f64>,
     /// Router admission: reject above this projected wait in seconds (0 disables).
     #[arg(long, default_value_t = 30.0)]
     admission_wait_s: f64,
@@ -325,7 +336,10 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
     knobs.prefill_weight_max = a.prefill_weight_max.unwrap_or(knobs.prefill_weight_max);
     knobs.batch_delay_weight = a.batch_delay_weight.unwrap_or(knobs.batch_delay_weight);
+    knobs.reuse_slack = a.reuse_slack.unwrap_or(knobs.reuse_slack);
     knobs.replication_horizon_s = a.replication_horizon_s.unwrap_or(knobs.replication_horizon_s);
+    knobs.kv_barrier_threshold = a.kv_barrier_threshold.unwrap_or(knobs.kv_barrier_threshold);
+    knobs.kv_barrier_scale_s = a.kv_barrier_scale_s.unwrap_or(knobs.kv_barrier_scale_s);
     knobs.calibrate = a.calibrate;
     knobs.validate()?;
     if !(a.admission_wait_s.is_finite() && a.admission_wait_s >= 0.0) {

@@ -151,6 +151,8 @@ pub struct PolicySummary {
     pub output_tokens_per_s: Estimate,
     /// Prefix-cache hit rate.
     pub hit_rate: Estimate,
+    /// What the fleet's caches held of each prompt at dispatch ([`crate::report::Cache::held_rate`]).
+    pub held_rate: Estimate,
     /// Rejected requests per run.
     pub rejected: Estimate,
     /// Runs that completed no request at all.
@@ -227,6 +229,7 @@ pub fn summarise(
                 ttft_p99_s: Estimate::of(of(label).iter().map(|r| r.ttft_s.p99)),
                 output_tokens_per_s: Estimate::of(of(label).iter().map(|r| r.throughput.output_tokens_per_s)),
                 hit_rate: Estimate::of(of(label).iter().map(|r| r.cache.hit_rate)),
+                held_rate: Estimate::of(of(label).iter().map(|r| r.cache.held_rate.unwrap_or(0.0))),
                 rejected: Estimate::of(of(label).iter().map(|r| r.requests.rejected as f64)),
                 runs_completing_nothing: of(label).iter().filter(|r| r.requests.completed == 0).count(),
                 p90_over_oracle: oracle_p90.map(|o| p90.mean / o).filter(|r| r.is_finite()),
@@ -357,14 +360,15 @@ pub fn markdown(summaries: &[ScenarioSummary]) -> String {
     let mut out = String::new();
     for s in summaries {
         out += &format!(
-            "### {}\n\n{}; {} requests; seeds {}. Mean ± 95% interval over seeds; p90/oracle is the mean TTFT p90 over the oracle's.\n\n",
+            "### {}\n\n{}; {} requests; seeds {}. Mean ± 95% interval over seeds; held is the share of prompt tokens the fleet held cached at dispatch; p90/oracle is the mean TTFT p90 over the oracle's.\n\n",
             s.scenario,
             s.description,
             s.requests,
             seed_list(&s.seeds)
         );
-        out += "| policy | TTFT p50 s | TTFT p90 s | TTFT p99 s | out tok/s | hit rate | rejected | p90/oracle |\n";
-        out += "|---|---|---|---|---|---|---|---|\n";
+        out +=
+            "| policy | TTFT p50 s | TTFT p90 s | TTFT p99 s | out tok/s | hit rate | held | rejected | p90/oracle |\n";
+        out += "|---|---|---|---|---|---|---|---|---|\n";
         for p in &s.policies {
             let nothing = if p.runs_completing_nothing > 0 {
                 format!(" ({} of {} runs completed nothing)", p.runs_completing_nothing, s.seeds.len())
@@ -372,7 +376,7 @@ pub fn markdown(summaries: &[ScenarioSummary]) -> String {
                 String::new()
             };
             out += &format!(
-                "| {}{} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 p.policy,
                 nothing,
                 fmt_est(&p.ttft_p50_s, 3),
@@ -380,6 +384,7 @@ pub fn markdown(summaries: &[ScenarioSummary]) -> String {
                 fmt_est(&p.ttft_p99_s, 3),
                 fmt_est(&p.output_tokens_per_s, 0),
                 fmt_est(&p.hit_rate, 3),
+                fmt_est(&p.held_rate, 3),
                 fmt_est(&p.rejected, 1),
                 p.p90_over_oracle.filter(|r| r.is_finite()).map_or("-".into(), |r| format!("{r:.2}")),
             );

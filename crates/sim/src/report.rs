@@ -30,6 +30,8 @@ struct RequestRecord {
     prompt_tokens: u64,
     cached_tokens: u64,
     output_tokens: u64,
+    /// The most of its prompt any connected engine held cached when it was last dispatched.
+    held_tokens: u64,
 }
 
 /// Collects a run's measurements.
@@ -114,9 +116,11 @@ impl Recorder {
         }
     }
 
-    /// Request `i` was sent to `worker`.
-    pub fn dispatched(&mut self, i: usize, worker: usize) {
+    /// Request `i` was sent to `worker`; `held_tokens` of its prompt were cached on the engine that
+    /// held the most of it at that moment.
+    pub fn dispatched(&mut self, i: usize, worker: usize, held_tokens: u64) {
         self.records[i].worker = Some(worker);
+        self.records[i].held_tokens = held_tokens;
         self.worker_requests[worker] += 1;
     }
 
@@ -188,6 +192,7 @@ impl Recorder {
         let output: u64 = completed.iter().map(|&i| self.records[i].output_tokens).sum();
         let prompt: u64 = completed.iter().map(|&i| self.records[i].prompt_tokens).sum();
         let cached: u64 = completed.iter().map(|&i| self.records[i].cached_tokens).sum();
+        let held: u64 = completed.iter().map(|&i| self.records[i].held_tokens).sum();
         let hot: Vec<usize> =
             measured.iter().copied().filter(|&i| self.hot[i] && self.records[i].decided.is_some()).collect();
         let owner_share = match (self.hot_owner, hot.len()) {
@@ -212,7 +217,7 @@ impl Recorder {
             ttft_s: Percentiles3::of(&mut ttft),
             ttft_cdf: quantiles(&mut ttft, CDF_POINTS),
             e2e_s: Percentiles2::of(&mut e2e),
-            cache: Cache::of(prompt, cached),
+            cache: Cache::of(prompt, cached).held(held),
             workers: (0..self.worker_requests.len())
                 .map(|w| WorkerReport {
                     id: format!("w{w}"),
@@ -327,7 +332,15 @@ impl Cache {
             hit_rate: round(if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 }),
             prompt_tokens: prompt,
             prefill_tokens_computed: prompt.saturating_sub(cached),
+            held_rate: None,
         }
+    }
+
+    /// With the prompt tokens that were held cached somewhere in the fleet at dispatch.
+    pub fn held(mut self, held_tokens: u64) -> Self {
+        let prompt = self.prompt_tokens;
+        self.held_rate = Some(round(if prompt == 0 { 0.0 } else { held_tokens as f64 / prompt as f64 }));
+        self
     }
 }
 
@@ -360,6 +373,13 @@ pub struct Cache {
     pub prompt_tokens: u64,
     /// Prompt tokens the engines had to compute.
     pub prefill_tokens_computed: u64,
+    /// Held tokens / prompt tokens, where a request's held tokens are what the engine holding the
+    /// most of its prompt had cached when it was dispatched (less a fully cached prompt's last
+    /// block, as admission counts it). What the fleet's caches offered, against `hit_rate`, what
+    /// the policy took: a request sent past the deepest holder counts here and not there.
+    /// Simulator only (`None` over HTTP, where the engines' caches are not read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_rate: Option<f64>,
 }
 
 /// One engine's share.
@@ -471,10 +491,13 @@ impl Report {
     }
 }
 
-/// A fixed-width table of reports, one row each.
+/// A fixed-width table of reports, one row each. The `held` column (what the fleet's caches held
+/// at dispatch) is shown when some report measured it, i.e. in the simulator.
 pub fn table(reports: &[Report]) -> String {
+    let with_held = reports.iter().any(|r| r.cache.held_rate.is_some());
+    let held_column = |text: &str| if with_held { format!(" {text:>6}") } else { String::new() };
     let mut out = format!(
-        "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} {:>9} {:>6} {:>6}\n",
+        "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6}{} {:>9} {:>6} {:>6}\n",
         "policy",
         "total",
         "done",
@@ -486,6 +509,7 @@ pub fn table(reports: &[Report]) -> String {
         "ttft p99",
         "e2e p99",
         "hit",
+        held_column("held"),
         "prefill M",
         "owner",
         "maxQ"
@@ -495,7 +519,7 @@ pub fn table(reports: &[Report]) -> String {
     for r in reports {
         let max_q = r.workers.iter().map(|w| w.max_waiting).max().unwrap_or(0);
         out += &format!(
-            "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>6.3} {:>9.2} {:>6.2} {:>6}\n",
+            "{:<20} {:>6} {:>6} {:>5} {:>5} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>6.3}{} {:>9.2} {:>6.2} {:>6}\n",
             r.label(),
             r.requests.total,
             r.requests.completed,
@@ -507,6 +531,7 @@ pub fn table(reports: &[Report]) -> String {
             secs(r.ttft_s.p99),
             secs(r.e2e_s.p99),
             r.cache.hit_rate,
+            held_column(&r.cache.held_rate.map_or("-".to_owned(), |h| format!("{h:.3}"))),
             r.cache.prefill_tokens_computed as f64 / 1e6,
             r.hot_prefix.owner_share,
             max_q,

@@ -474,7 +474,9 @@ impl<'w> Simulation<'w> {
         v.sent_requests_since_poll += 1;
         v.sent_tokens_since_poll += tokens.len() as u64;
         self.in_flight.insert(id, InFlight { worker: pick.worker, request: i, replica });
-        self.rec.dispatched(i, pick.worker);
+        let held =
+            self.hosts.iter_mut().filter(|h| h.connected).map(|h| h.engine.reusable_prompt_tokens(&tokens)).max();
+        self.rec.dispatched(i, pick.worker, held.unwrap_or(0));
         self.submit(pick.worker, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
     }
 

@@ -84,6 +84,16 @@ fn projected_computes_fewer_prefill_tokens_than_least_load_at_equal_throughput()
     assert!(enforce.cache.prefill_tokens_computed < off.cache.prefill_tokens_computed);
     assert!(enforce.throughput.output_tokens_per_s >= 0.98 * ll.throughput.output_tokens_per_s);
     assert!(enforce.cache.hit_rate > ll.cache.hit_rate);
+    // The fleets held about as much of each prompt at dispatch; least_load sent requests past it.
+    let held = |r: &Report| r.cache.held_rate.expect("the simulator reads the engines' caches");
+    assert!(held(&ll) - ll.cache.hit_rate > 0.03, "least_load: held {} hit {}", held(&ll), ll.cache.hit_rate);
+    assert!(
+        held(&enforce) - enforce.cache.hit_rate < 0.01,
+        "enforce: held {} hit {}",
+        held(&enforce),
+        enforce.cache.hit_rate
+    );
+    assert!((held(&enforce) - held(&ll)).abs() < 0.02);
 }
 
 #[test]

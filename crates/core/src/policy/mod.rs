@@ -239,6 +239,15 @@ pub const BATCH_DELAY_WEIGHT: Knob = Knob {
     default: 0.15,
     meaning: "enforce adds this weight × uncached prefill seconds × running sequences: the steps that carry the prefill delay every running sequence's next token; 0 turns it off",
 };
+/// How much dearer than the projected winner a worker holding more of the prompt may be and still
+/// be chosen.
+pub const REUSE_SLACK: Knob = Knob {
+    name: "reuse_slack",
+    min: 0.0,
+    max: 100.0,
+    default: 0.0,
+    meaning: "enforce sends a request to the worker holding the longest cached prefix of it when that worker's cost is at most (1 + this) × the projected winner's: more prefill saved for a longer projected first token; 0 (the default) minimises the projected cost alone",
+};
 /// Longest a hot prefix is expected to stay hot when weighing a new copy of it.
 pub const REPLICATION_HORIZON_S: Knob = Knob {
     name: "replication_horizon_s",
@@ -275,6 +284,7 @@ pub const KNOBS: &[Knob] = &[
     KV_BARRIER_SCALE_S,
     PREFILL_WEIGHT_MAX,
     BATCH_DELAY_WEIGHT,
+    REUSE_SLACK,
     REPLICATION_HORIZON_S,
     BALANCE_ABS,
     BALANCE_REL,
@@ -307,6 +317,8 @@ pub struct PolicyConfig {
     pub prefill_weight_max: f64,
     /// See [`BATCH_DELAY_WEIGHT`].
     pub batch_delay_weight: f64,
+    /// See [`REUSE_SLACK`].
+    pub reuse_slack: f64,
     /// See [`REPLICATION_HORIZON_S`].
     pub replication_horizon_s: f64,
     /// See [`BALANCE_ABS`].
@@ -337,6 +349,7 @@ impl PolicyConfig {
             kv_barrier_scale_s: KV_BARRIER_SCALE_S.default,
             prefill_weight_max: PREFILL_WEIGHT_MAX.default,
             batch_delay_weight: BATCH_DELAY_WEIGHT.default,
+            reuse_slack: REUSE_SLACK.default,
             replication_horizon_s: REPLICATION_HORIZON_S.default,
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
@@ -360,6 +373,7 @@ impl PolicyConfig {
         KV_BARRIER_SCALE_S.check(self.kv_barrier_scale_s)?;
         PREFILL_WEIGHT_MAX.check(self.prefill_weight_max)?;
         BATCH_DELAY_WEIGHT.check(self.batch_delay_weight)?;
+        REUSE_SLACK.check(self.reuse_slack)?;
         REPLICATION_HORIZON_S.check(self.replication_horizon_s)?;
         BALANCE_ABS.check(self.balance_abs as f64)?;
         BALANCE_REL.check(self.balance_rel)?;
@@ -416,6 +430,8 @@ pub struct PolicyPatch {
     pub prefill_weight_max: Option<f64>,
     /// See [`BATCH_DELAY_WEIGHT`].
     pub batch_delay_weight: Option<f64>,
+    /// See [`REUSE_SLACK`].
+    pub reuse_slack: Option<f64>,
     /// See [`REPLICATION_HORIZON_S`].
     pub replication_horizon_s: Option<f64>,
     /// See [`BALANCE_ABS`].
@@ -447,6 +463,7 @@ impl PolicyPatch {
         cfg.kv_barrier_scale_s = self.kv_barrier_scale_s.unwrap_or(cfg.kv_barrier_scale_s);
         cfg.prefill_weight_max = self.prefill_weight_max.unwrap_or(cfg.prefill_weight_max);
         cfg.batch_delay_weight = self.batch_delay_weight.unwrap_or(cfg.batch_delay_weight);
+        cfg.reuse_slack = self.reuse_slack.unwrap_or(cfg.reuse_slack);
         cfg.replication_horizon_s = self.replication_horizon_s.unwrap_or(cfg.replication_horizon_s);
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);

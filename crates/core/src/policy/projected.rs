@@ -230,12 +230,16 @@ impl Policy for Projected {
 fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
     let scored = c.scored;
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cache_winner =
-            super::argmin(scored.len(), |i| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight), c.draw)
-                .unwrap_or(c.load_winner);
+        let cost = |i: usize| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
+        let projected_winner = super::argmin(scored.len(), cost, c.draw).unwrap_or(c.load_winner);
+        let reuse = deeper_holder_within_slack(c, projected_winner);
+        let cache_winner = reuse.unwrap_or(projected_winner);
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
         if cache_winner != c.load_winner && escape_fires((&w.terms, &w.load), (&l.terms, &l.load), c.cfg) {
             return (c.load_winner, Reason::Escape);
+        }
+        if reuse.is_some() {
+            return (cache_winner, Reason::Reuse);
         }
         if cache_winner != c.load_winner && copy_pays(c, cache_winner) {
             return (c.load_winner, Reason::Replicate);
@@ -243,6 +247,25 @@ fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
         return (cache_winner, Reason::CacheAndLoad);
     }
     super::load_only(c)
+}
+
+/// The worker holding the longest cached prefix of the request, when it holds more than the
+/// projected winner and costs at most `(1 + reuse_slack)` times the winner's cost (the cheapest
+/// such worker when several hold as much). Off (`reuse_slack` 0) by default: the projected
+/// winner minimises this request's time to its first token with the fleet's prefill load on its
+/// uncached part, and a slack trades some of that time for prefill the fleet does not compute
+/// twice (measured in docs/routing.md, "Reuse slack").
+fn deeper_holder_within_slack(c: &Choosing<'_>, projected_winner: usize) -> Option<usize> {
+    if c.cfg.reuse_slack <= 0.0 {
+        return None;
+    }
+    let scored = c.scored;
+    let cost = |i: usize| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
+    let ceiling = cost(projected_winner) * (1.0 + c.cfg.reuse_slack);
+    let winner_holds = scored[projected_winner].cached_tokens;
+    (0..scored.len())
+        .filter(|&i| scored[i].cached_tokens > winner_holds && cost(i) <= ceiling)
+        .max_by(|&a, &b| scored[a].cached_tokens.cmp(&scored[b].cached_tokens).then(cost(b).total_cmp(&cost(a))))
 }
 
 #[cfg(test)]

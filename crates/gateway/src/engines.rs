@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_core::telemetry::{snapshot_from_report, CountAssumptions};
-use kvgate_core::{KvState, LoadSnapshot};
+use kvgate_core::{KvState, LoadSnapshot, Timestamp};
 use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoad};
 
 use crate::config::EngineKind;
@@ -341,6 +341,11 @@ async fn poll_load(ctx: &EngineContext, engine: &EngineHandle) {
     };
     let mut last_err = String::new();
     for kind in kinds {
+        // The report is stamped with the time it was asked for: the engine measured it after that,
+        // and the ledger counts only what began before the stamp as seen by it. Stamped when the
+        // answer arrived instead, a reply held up (a busy engine, a stalled gateway) would say that
+        // requests dispatched or started meanwhile were already in it, and they would go uncounted.
+        let asked_at = ctx.clock.now();
         let result = match kind {
             EngineKind::Sglang => fetch(ctx, format!("{}/v1/loads", engine.base))
                 .await
@@ -354,7 +359,7 @@ async fn poll_load(ctx: &EngineContext, engine: &EngineHandle) {
                 *engine.telemetry.lock() = Some(*kind);
                 *engine.telemetry_error.lock() = None;
                 observe_identity(ctx, engine, &load);
-                let snapshot = to_snapshot(ctx, &load);
+                let snapshot = to_snapshot(ctx, &load, asked_at);
                 let _ = ctx.router.update_load(&engine.id, snapshot);
                 return;
             }
@@ -409,12 +414,12 @@ fn observe_identity(ctx: &EngineContext, engine: &EngineHandle, load: &EngineLoa
 /// The core's load snapshot from an engine's report (the core's conversion, which the simulator
 /// runs too); what the engine does not report is estimated from counts (see
 /// `assumed_prompt_tokens` and `assumed_decode_tokens`).
-pub fn to_snapshot(ctx: &EngineContext, load: &EngineLoad) -> LoadSnapshot {
+pub fn to_snapshot(ctx: &EngineContext, load: &EngineLoad, observed_at: Timestamp) -> LoadSnapshot {
     let assumed = CountAssumptions {
         prompt_tokens_per_waiting: ctx.settings.assumed_prompt_tokens,
         decode_tokens_per_running: ctx.settings.assumed_decode_tokens,
     };
-    snapshot_from_report(load, assumed, ctx.clock.now())
+    snapshot_from_report(load, assumed, observed_at)
 }
 
 #[cfg(test)]

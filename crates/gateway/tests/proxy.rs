@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -89,7 +90,7 @@ async fn a_client_disconnect_mid_stream_releases_the_reservation() {
 
 /// Whether every engine has passed a health check.
 fn all_seen_up(state: &kvgate_gateway::AppState) -> bool {
-    state.engines.all().iter().all(|e| e.seen_up.load(std::sync::atomic::Ordering::Relaxed))
+    state.engines.all().iter().all(|e| e.seen_up.load(Ordering::Relaxed))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -473,4 +474,37 @@ async fn metrics_cover_requests_decisions_and_engines() {
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_report_counts_as_of_when_it_was_asked_for_not_when_it_arrived() {
+    // The engine reads its (idle) load when the poll arrives and answers 150 ms later.
+    let engine = fake_engine().await;
+    engine.set(|b| {
+        b.load_delay = Duration::from_millis(150);
+        b.response_delay = Duration::from_secs(2);
+    });
+    let gw = gateway(&base_toml(&[engine.url()], "")).await;
+    gw.wait_for_load().await;
+    // Right after a poll reaches the engine, a request is dispatched there.
+    let asked = engine.load_polls.0.load(Ordering::SeqCst);
+    real_wait("a new load poll", || engine.load_polls.0.load(Ordering::SeqCst) > asked).await;
+    let polled = engine.load_polls.0.load(Ordering::SeqCst);
+    let request = {
+        let (client, url) = (gw.client.clone(), gw.url("/v1/chat/completions"));
+        tokio::spawn(async move { client.post(url).json(&chat_body(false)).send().await })
+    };
+    real_wait("the request reaching the engine", || engine.requests() == 1).await;
+    // That poll's answer, measured before the request arrived, does not cover it: the request stays
+    // counted as waiting until a report asked for after it says otherwise. The gateway asks for the
+    // next report once it has applied an answer, and that one takes 150 ms to come back.
+    real_wait("the poll's answer applied", || engine.load_polls.0.load(Ordering::SeqCst) > polled).await;
+    assert_eq!(engine.load_polls.1.load(Ordering::SeqCst), polled, "the next poll is still unanswered");
+    let status = gw.state.router.workers(gw.state.clock.now()).remove(0);
+    assert_eq!(
+        (status.waiting_requests, status.in_flight),
+        (1, 1),
+        "a report asked for before the request arrived hid it: {status:?}"
+    );
+    request.await.unwrap().unwrap();
 }

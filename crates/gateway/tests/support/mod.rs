@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,6 +54,8 @@ pub struct Behavior {
     pub stall_after_headers: bool,
     /// Delay before a non-streaming answer.
     pub response_delay: Duration,
+    /// Delay before a `/v1/loads` answer; the load it reports is read when the poll arrives.
+    pub load_delay: Duration,
 }
 
 impl Default for Behavior {
@@ -69,6 +72,7 @@ impl Default for Behavior {
             retry_after: None,
             stall_after_headers: false,
             response_delay: Duration::ZERO,
+            load_delay: Duration::ZERO,
         }
     }
 }
@@ -85,6 +89,8 @@ pub struct FakeEngine {
     pub received: Arc<Mutex<Vec<(String, Bytes)>>>,
     /// The `Authorization` header of every request (inference, health, load, models), with its path.
     pub authorization: Arc<Mutex<Vec<SeenAuthorization>>>,
+    /// `/v1/loads` polls received, and answered.
+    pub load_polls: Arc<(AtomicUsize, AtomicUsize)>,
 }
 
 impl FakeEngine {
@@ -198,6 +204,7 @@ pub async fn fake_engine() -> FakeEngine {
         behavior: Arc::new(Mutex::new(Behavior::default())),
         received: Arc::new(Mutex::new(Vec::new())),
         authorization: Arc::new(Mutex::new(Vec::new())),
+        load_polls: Arc::new((AtomicUsize::new(0), AtomicUsize::new(0))),
     };
     let mut app = Router::new();
     for path in INFERENCE_PATHS {
@@ -213,11 +220,14 @@ pub async fn fake_engine() -> FakeEngine {
             Json(json!({"object": "list", "data": models}))
         }))
         .route("/v1/loads", get(|State(e): State<FakeEngine>| async move {
+            e.load_polls.0.fetch_add(1, Ordering::SeqCst);
             let b = e.behavior.lock().clone();
             if !b.reports_load {
                 return StatusCode::SERVICE_UNAVAILABLE.into_response();
             }
             let (w, t, r) = b.load;
+            tokio::time::sleep(b.load_delay).await;
+            e.load_polls.1.fetch_add(1, Ordering::SeqCst);
             Json(json!({"loads": [{"dp_rank": 0, "num_waiting_reqs": w, "num_waiting_uncached_tokens": t, "num_running_reqs": r, "token_usage": 0.1}]}))
                 .into_response()
         }))

@@ -181,7 +181,7 @@ impl Engine {
             output_tokens: req.output_tokens.max(1),
             generated: 0,
             private_blocks: 0,
-            uncached_at_arrival: prompt_tokens - matched.min(prompt_tokens.saturating_sub(1) / bs as u64 * bs as u64),
+            uncached_at_arrival: prompt_tokens - reusable_tokens(matched, prompt_tokens, bs as u64),
             tail: Vec::new(),
         });
     }
@@ -243,8 +243,7 @@ impl Engine {
             debug_assert!(allocated);
             r.private_blocks = need;
             r.matched_blocks = matched;
-            // A fully cached prompt still computes its last token to produce logits.
-            r.cached_tokens = (matched as u64).min(r.prompt_tokens.saturating_sub(1) / bs) * bs;
+            r.cached_tokens = reusable_tokens(matched as u64 * bs, r.prompt_tokens, bs);
             self.prompt_tokens_total += r.prompt_tokens;
             self.cached_tokens_total += r.cached_tokens;
             let chunk = r.prefill_left().min(budget);
@@ -472,8 +471,8 @@ impl Engine {
     /// The prompt tokens a request for `tokens` would find cached if it were admitted now: the
     /// cached prefix, less the last token, which a fully cached prompt still computes.
     pub fn reusable_prompt_tokens(&mut self, tokens: &[u32]) -> u64 {
-        let bs = u64::from(self.profile.block_size).max(1);
-        self.cached_prefix_tokens(tokens).min((tokens.len() as u64).saturating_sub(1) / bs * bs)
+        let matched = self.cached_prefix_tokens(tokens);
+        reusable_tokens(matched, tokens.len() as u64, u64::from(self.profile.block_size))
     }
 
     /// Requests queued.
@@ -542,4 +541,12 @@ impl Engine {
         self.start_process();
         failed
     }
+}
+
+/// Of `matched_tokens` cached at the start of a prompt of `prompt_tokens`, those the engine reuses:
+/// whole blocks, less the last token's, since a fully cached prompt still computes its last token
+/// to produce logits.
+fn reusable_tokens(matched_tokens: u64, prompt_tokens: u64, block_size: u64) -> u64 {
+    let bs = block_size.max(1);
+    matched_tokens.min(prompt_tokens.saturating_sub(1) / bs * bs)
 }

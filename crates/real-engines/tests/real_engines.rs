@@ -22,6 +22,7 @@ mod real {
     pub mod cache;
     pub mod calibration;
     pub mod demo;
+    pub mod occupancy;
     pub mod parity;
     pub mod responses;
     pub mod restart;
@@ -62,6 +63,7 @@ fn main() -> ExitCode {
         real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,
         real::calibration::the_prefill_rate_is_measured_from_the_engines_own_step_cadence,
         real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
+        real::occupancy::a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain,
         real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero,
     ];
     if args.list {

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 /// A completions body whose prompt is `tokens` token ids no other trial or run sends (so the engine
 /// computes all of it).
-fn cold_prompt(tag: u64, tokens: usize, max_tokens: u32) -> Value {
+pub(super) fn cold_prompt(tag: u64, tokens: usize, max_tokens: u32) -> Value {
     let mut x = tag ^ u64::from(std::process::id()) << 32 ^ 0x9e37_79b9_7f4a_7c15;
     let ids: Vec<u32> = (0..tokens)
         .map(|_| {
@@ -27,6 +27,17 @@ fn cold_prompt(tag: u64, tokens: usize, max_tokens: u32) -> Value {
         })
         .collect();
     json!({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+/// The `n`th of a series of exponential gaps of mean `mean`, the same in every run.
+fn arrival_gap(n: u64, mean: Duration) -> Duration {
+    let mut x = n.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 29;
+    // Uniform in (0, 1], never 0: its logarithm is finite.
+    let uniform = ((x >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    mean.mul_f64(-uniform.ln())
 }
 
 /// The engine's own time in prefill for one request (`vllm:request_prefill_time_seconds`: from
@@ -85,22 +96,22 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     gw.wait_idle("a").await?;
 
     // Traffic: most prompts a few hundred tokens, one in seven of 2,000 to 3,500 (steps the size of
-    // the engine's budget), four at a time.
-    let mut sent = 0u64;
-    for wave in 0..30u64 {
-        let requests: Vec<_> = (0..4u64)
-            .map(|i| {
-                let n = wave * 4 + i;
-                let tokens = if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
-                let body = cold_prompt(10_000 + n, tokens, 8);
-                let url = gw.url.clone();
-                tokio::spawn(async move { post(&url, "/v1/completions", &body).await })
-            })
-            .collect();
-        for r in requests {
-            r.await??;
-            sent += 1;
-        }
+    // the engine's budget), arriving as independent clients do: one every 20 ms on average, the gaps
+    // exponential. Requests sent in waves all reach the engine between two of its steps, so every
+    // step computes several prompts and none is large beside the typical one: the envelope then has
+    // nothing to anchor its slope (three of five suites failed so, once the engines stopped starving
+    // this process of CPU and the waves really arrived together).
+    let mut requests = Vec::new();
+    for n in 0..120u64 {
+        tokio::time::sleep(arrival_gap(n, Duration::from_millis(20))).await;
+        let tokens = if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
+        let body = cold_prompt(10_000 + n, tokens, 8);
+        let url = gw.url.clone();
+        requests.push(tokio::spawn(async move { post(&url, "/v1/completions", &body).await }));
+    }
+    let sent = requests.len();
+    for r in requests {
+        r.await??;
     }
 
     // The last steps' events may still be on their way.
@@ -189,13 +200,13 @@ impl Rates {
 }
 
 /// A full batch in the decode trial: kvgate is told the engine runs at most this many sequences.
-const DECODE_BATCH: u64 = 8;
+pub(super) const DECODE_BATCH: u64 = 8;
 
 /// Tokens each stream of the decode trial decodes: five of the engine's 32-token blocks.
 const DECODE_TOKENS: u32 = 160;
 
 /// A streamed completions body of a one-block cold prompt, decoding [`DECODE_TOKENS`].
-fn streamed(tag: u64) -> Value {
+pub(super) fn streamed(tag: u64) -> Value {
     let mut body = cold_prompt(tag, 32, DECODE_TOKENS);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -228,7 +239,7 @@ async fn stream_all(url: &str, bodies: Vec<Value>) -> anyhow::Result<()> {
 /// `bodies` streamed to `url` at once, and the engine's mean inter-token latency over them
 /// (`vllm:inter_token_latency_seconds` of `engine`, timed by the engine core's own clock, so
 /// without the API server's or the client's delays).
-async fn engine_inter_token_s(engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
+pub(super) async fn engine_inter_token_s(engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
     let sum = "vllm:inter_token_latency_seconds_sum";
     let count = "vllm:inter_token_latency_seconds_count";
     let (sum_before, count_before) = (engine_metric(engine, sum).await?, engine_metric(engine, count).await?);

@@ -37,6 +37,7 @@ async fn probe(gw: &Gateway, tag: u64) -> anyhow::Result<(f64, Value)> {
     Ok((seconds, score.clone()))
 }
 
+/// The middle value (the upper one of an even count).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

@@ -30,9 +30,12 @@ name="${2:?engine name}"
 # Whether any live (non-zombie) process is in process group $1. `kill -0` also counts zombies, which
 # linger when nothing reaps the engine's orphaned children.
 # (cat, not awk, opens the files: processes come and go during the scan, and awk would stop at the
-# first one that vanished. awk reads to the end, so that cat never dies of SIGPIPE under pipefail.)
+# first one that vanished. cat then fails, and under pipefail its failure was the pipeline's: with
+# other processes starting and ending, the group read as gone, `stop` sent no signal and deleted the
+# pid file, and the engine ran on with nothing left to stop it. awk reads to the end, so that cat
+# never dies of SIGPIPE.)
 group_alive() {
-  cat /proc/[0-9]*/stat 2>/dev/null |
+  { cat /proc/[0-9]*/stat 2>/dev/null || true; } |
     awk -v g="$1" '{ sub(/^.*\) /, ""); if ($3 == g && $1 != "Z") found = 1 } END { exit !found }'
 }
 

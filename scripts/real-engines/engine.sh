@@ -79,7 +79,7 @@ case "$cmd" in
     # Niced, in its own scheduler autogroup as well (setsid makes one, and a process's nice counts
     # only within its group): three busy engines on 2 cores otherwise starve the suite's process,
     # kvgate included, for seconds at a time (a process beside the suite stalled 52 times over 0.3 s,
-    # 27 s in all, in three suites; niced, not once in five).
+    # 27 s in all, in three suites; niced, not once in seven).
     # kvgate runs on CPUs of its own in a deployment; here it must not wait behind the engines.
     # OMP binding off and one thread each, or every engine of a fleet pins itself to core 0.
     env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \

@@ -16,6 +16,8 @@ scripts/setup-nats.sh
 
 echo "== unit and mock-engine tests"
 cargo test --workspace --exclude kvgate-real-engines
+# The real-engine crate's own tests that need no engine: its unit tests and the harness's.
+cargo test -p kvgate-real-engines --lib --test harness
 
 echo "== real-engine suite"
 scripts/real-engines/test.sh

@@ -22,7 +22,6 @@ mod real {
     pub mod cache;
     pub mod calibration;
     pub mod demo;
-    pub mod harness;
     pub mod occupancy;
     pub mod parity;
     pub mod responses;
@@ -66,7 +65,6 @@ fn main() -> ExitCode {
         real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
         real::occupancy::a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain,
         real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero,
-        real::harness::engine_sh_stops_a_group_while_processes_come_and_go,
     ];
     if args.list {
         let trials = list.iter().map(|(name, _)| Trial::test(*name, || Ok(()))).collect();

@@ -117,11 +117,54 @@ fn run_script(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `n` distinct free loopback ports.
+/// Lowest port [`free_ports`] hands out.
+const LOWEST_PORT: u16 = 10_000;
+
+/// The kernel's ephemeral port range (`/proc/sys/net/ipv4/ip_local_port_range`), if readable.
+fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut bounds = text.split_whitespace().map(str::parse::<u16>);
+    Some((bounds.next()?.ok()?, bounds.next()?.ok()?))
+}
+
+/// `n` distinct ports free on every interface, below the kernel's ephemeral range when it leaves
+/// room. The engines bind them seconds after they are picked, and meanwhile the kernel hands out
+/// ephemeral ports to every process that connects or binds port 0 (the engines' own sockets
+/// among them): once one of those took a port picked here, and the engine exited with "Address
+/// already in use". Outside that range only an explicit bind can take one.
 pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let below = ephemeral_ports().map_or(32_768, |(low, _)| low);
+    if let Some(ports) = free_ports_in(n, LOWEST_PORT, below) {
+        return Ok(ports);
+    }
+    // No room below the ephemeral range: let the kernel pick, as any free port will do.
     let listeners: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+        (0..n).map(|_| std::net::TcpListener::bind("0.0.0.0:0")).collect::<Result<_, _>>()?;
     Ok(listeners.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<_, _>>()?)
+}
+
+/// `n` ports of `low..high` that bind on every interface, from a start that differs between
+/// processes (suites run side by side on one machine), or `None` if the range has too few.
+fn free_ports_in(n: usize, low: u16, high: u16) -> Option<Vec<u16>> {
+    let span = u32::from(high.checked_sub(low)?);
+    if span < 1 {
+        return None;
+    }
+    let seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let start = seed % span;
+    // Held until all are found, so that no two are the same port.
+    let mut held = Vec::with_capacity(n);
+    for i in 0..span {
+        let port = low + ((start + i) % span) as u16;
+        if let Ok(listener) = std::net::TcpListener::bind(("0.0.0.0", port)) {
+            held.push((port, listener));
+            if held.len() == n {
+                return Some(held.into_iter().map(|(port, _)| port).collect());
+            }
+        }
+    }
+    None
 }
 
 impl Engine {
@@ -276,5 +319,32 @@ impl Drop for Fleet {
                 eprintln!("stopping engine {}: {err:#}", e.spec.name);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let ports = free_ports(9).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 9, "{ports:?}");
+        let below = ephemeral_ports().map_or(32_768, |(low, _)| low);
+        assert!(ports.iter().all(|&p| (LOWEST_PORT..below).contains(&p)), "{ports:?} not in {LOWEST_PORT}..{below}");
+        let listeners: Vec<_> = ports.iter().map(|&p| std::net::TcpListener::bind(("0.0.0.0", p))).collect();
+        assert!(listeners.iter().all(Result::is_ok), "{ports:?}: {listeners:?}");
+    }
+
+    #[test]
+    fn a_range_too_small_or_taken_gives_none() {
+        assert_eq!(free_ports_in(3, 20_000, 20_000), None);
+        assert_eq!(free_ports_in(3, 20_001, 20_000), None);
+        let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        assert_eq!(free_ports_in(1, port, port + 1), None, "port {port} is taken");
     }
 }

@@ -73,6 +73,9 @@ async fn fastest_cold(url: &str, short: usize, long: usize) -> anyhow::Result<[(
     Ok(best)
 }
 
+/// The share of the engine's prefill rate that the prefill trial's prompts bring.
+const PREFILL_LOAD: f64 = 0.35;
+
 pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(fleet: Arc<Fleet>) -> anyhow::Result<()> {
     let a = fleet.engine("a");
     // The reference: the extra prefill time 1,920 more prompt tokens take (128 against 2,048, the
@@ -96,16 +99,22 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     gw.wait_idle("a").await?;
 
     // Traffic: most prompts a few hundred tokens, one in seven of 2,000 to 3,500 (steps the size of
-    // the engine's budget), arriving as independent clients do: one every 20 ms on average, the gaps
-    // exponential. Requests sent in waves all reach the engine between two of its steps, so every
-    // step computes several prompts and none is large beside the typical one: the envelope then has
-    // nothing to anchor its slope (three of five suites failed so, once the engines stopped starving
-    // this process of CPU and the waves really arrived together).
+    // the engine's budget), arriving as independent clients do, the gaps exponential. Requests sent in
+    // waves all reach the engine between two of its steps, so every step computes several prompts and
+    // none is large beside the typical one: the envelope then has nothing to anchor its slope (three
+    // of five suites failed so, once the engines stopped starving this process of CPU and the waves
+    // really arrived together). An engine given more prefill than it computes runs every step at
+    // its full budget, all of one size, which fits no rate either: the arrivals bring about a third
+    // of what the engine's own prefill times say it computes (one every 20 ms where it computes
+    // 85k tokens a second; on a CPU without AVX-512 it computed 6.3k, and 20 ms left no step short).
+    const PROMPTS: u64 = 120;
+    let prompt_tokens = |n: u64| if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
+    let mean_tokens = (0..PROMPTS).map(prompt_tokens).sum::<usize>() as f64 / PROMPTS as f64;
+    let mean_gap = Duration::from_secs_f64(mean_tokens / (PREFILL_LOAD * reference_rate));
     let mut requests = Vec::new();
-    for n in 0..120u64 {
-        tokio::time::sleep(arrival_gap(n, Duration::from_millis(20))).await;
-        let tokens = if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
-        let body = cold_prompt(10_000 + n, tokens, 8);
+    for n in 0..PROMPTS {
+        tokio::time::sleep(arrival_gap(n, mean_gap)).await;
+        let body = cold_prompt(10_000 + n, prompt_tokens(n), 8);
         let url = gw.url.clone();
         requests.push(tokio::spawn(async move { post(&url, "/v1/completions", &body).await }));
     }
@@ -121,7 +130,13 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
         if router["measured_prefill_tokens_per_s"].is_number() {
             break router;
         }
-        ensure!(Instant::now() < deadline, "no prefill rate measured from a's steps after {sent} requests: {router}");
+        ensure!(
+            Instant::now() < deadline,
+            "no prefill rate measured from a's steps after {sent} requests, one every {:.0} ms on average (the \
+             engine's prefill times give {reference_rate:.0} tokens/s: 128 in {short:.4} s, 2,048 in {long:.4} s): \
+             {router}",
+            mean_gap.as_secs_f64() * 1e3
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let measured_off = router["measured_prefill_tokens_per_s"].as_f64().context("a number")?;
@@ -154,8 +169,9 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     let (measured, planned) = rates_with_calibration_on(&gw, "prefill").await?;
     eprintln!(
         "engine-reported {reference_rate:.0} tokens/s (128: {short:.4} s, 2,048: {long:.4} s in prefill; client round trips \
-         {round_trip_rate:.0}); configured {configured:.0}; \
-         measured from steps {measured_off:.0} with calibration off (planned {planned_off:.0}), {measured:.0} on (planned {planned:.0})"
+         {round_trip_rate:.0}); configured {configured:.0}; prompts every {:.0} ms on average; \
+         measured from steps {measured_off:.0} with calibration off (planned {planned_off:.0}), {measured:.0} on (planned {planned:.0})",
+        mean_gap.as_secs_f64() * 1e3
     );
     // The steps read 1.1–1.8× the client's round trips on this engine (docs/routing.md: the fit
     // gives part of each busy step's time to its running sequences, and the lone prompts run alone);

@@ -138,6 +138,15 @@ pub async fn a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain(
         "kvgate's decode_s for a probe beside the batch was {decode_s:.4} s (the batch still had {drain_s:.2} s to \
          decode); scores: {scores:?}"
     );
+    // A probe's prefill fits one step, so the batch costs it the one step it rides: 8 sequences at
+    // the rate kvgate was told. Half to twice that leaves room for a request of the batch that
+    // kvgate saw finish, or a probe that kvgate counted queued, and for nothing else.
+    let step_s = DECODE_BATCH as f64 / decode_rate;
+    ensure!(
+        (0.5 * step_s..=2.0 * step_s).contains(&decode_s),
+        "kvgate's decode_s for a probe beside the batch was {decode_s:.4} s, not the batch's one step of {step_s:.4} s; \
+         scores: {scores:?}"
+    );
     gw.stop().await;
     Ok(())
 }

@@ -111,6 +111,13 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
     let prompt_tokens = |n: u64| if n % 7 == 3 { 2_000 + (n as usize % 4) * 500 } else { 64 + (n as usize * 97) % 400 };
     let mean_tokens = (0..PROMPTS).map(prompt_tokens).sum::<usize>() as f64 / PROMPTS as f64;
     let mean_gap = Duration::from_secs_f64(mean_tokens / (PREFILL_LOAD * reference_rate));
+    let sending = mean_gap * (PROMPTS as u32);
+    ensure!(
+        sending < Duration::from_secs(180),
+        "the engine's prefill times give {reference_rate:.0} tokens/s (128 in {short:.4} s, 2,048 in {long:.4} s): \
+         {PROMPTS} prompts at about a third of that would take {:.0} s, too long for a trial",
+        sending.as_secs_f64()
+    );
     let mut requests = Vec::new();
     for n in 0..PROMPTS {
         tokio::time::sleep(arrival_gap(n, mean_gap)).await;

@@ -140,7 +140,7 @@ pub async fn a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain(
     );
     // A probe's prefill fits one step, so the batch costs it the one step it rides: 8 sequences at
     // the rate kvgate was told. Half to twice that leaves room for a request of the batch that
-    // kvgate saw finish, or a probe that kvgate counted queued, and for nothing else.
+    // kvgate saw finish or a probe it counted as queued, not for a second step.
     let step_s = DECODE_BATCH as f64 / decode_rate;
     ensure!(
         (0.5 * step_s..=2.0 * step_s).contains(&decode_s),

@@ -229,7 +229,7 @@ pub(super) const DECODE_BATCH: u64 = 8;
 const DECODE_TOKENS: u32 = 160;
 
 /// A streamed completions body of a one-block cold prompt, decoding [`DECODE_TOKENS`].
-pub(super) fn streamed(tag: u64) -> Value {
+fn streamed(tag: u64) -> Value {
     let mut body = cold_prompt(tag, 32, DECODE_TOKENS);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -259,10 +259,17 @@ async fn stream_all(url: &str, bodies: Vec<Value>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The decode rate of a full batch sent to the engine at `url` directly, by its own inter-token
+/// times: `DECODE_BATCH` streams, tagged from `first_tag` so that no other request shares them.
+pub(super) async fn direct_full_batch_decode_rate(url: &str, first_tag: u64) -> anyhow::Result<f64> {
+    let bodies = (0..DECODE_BATCH).map(|i| streamed(first_tag + i)).collect();
+    Ok(DECODE_BATCH as f64 / engine_inter_token_s(url, url, bodies).await?)
+}
+
 /// `bodies` streamed to `url` at once, and the engine's mean inter-token latency over them
 /// (`vllm:inter_token_latency_seconds` of `engine`, timed by the engine core's own clock, so
 /// without the API server's or the client's delays).
-pub(super) async fn engine_inter_token_s(engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
+async fn engine_inter_token_s(engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
     let sum = "vllm:inter_token_latency_seconds_sum";
     let count = "vllm:inter_token_latency_seconds_count";
     let (sum_before, count_before) = (engine_metric(engine, sum).await?, engine_metric(engine, count).await?);
@@ -283,8 +290,7 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
     let a = fleet.engine("a");
     // A first guess at a full batch's decode rate, to configure kvgate 3× off it: the engine's
     // inter-token times of a full batch sent to it directly.
-    let bodies = (0..DECODE_BATCH).map(|i| streamed(50_000 + i)).collect();
-    let direct_rate = DECODE_BATCH as f64 / engine_inter_token_s(&a.url(), &a.url(), bodies).await?;
+    let direct_rate = direct_full_batch_decode_rate(&a.url(), 50_000).await?;
 
     // kvgate in front of `a`, told its full batch is 8 sequences and that it decodes 3× faster.
     // The prefill rate is left at its default: a wave's one-block prompts are computed before its

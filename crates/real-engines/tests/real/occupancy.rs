@@ -11,7 +11,7 @@ use kvgate_real_engines::fleet::Fleet;
 use kvgate_real_engines::gateway::{http, post, test_overrides, Gateway};
 use serde_json::Value;
 
-use super::calibration::{cold_prompt, engine_inter_token_s, streamed, DECODE_BATCH};
+use super::calibration::{cold_prompt, direct_full_batch_decode_rate, DECODE_BATCH};
 
 /// Prompt tokens of each probe: one of the engine's steps.
 const PROBE_TOKENS: usize = 512;
@@ -49,8 +49,7 @@ pub async fn a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain(
     let a = fleet.engine("a");
     // kvgate is told a's decode as the engine runs it: a batch of 8 takes one inter-token time a
     // step, so 8 running sequences add that much to each step (the batch limit is left far above).
-    let bodies = (0..DECODE_BATCH).map(|i| streamed(70_000 + i)).collect();
-    let decode_rate = DECODE_BATCH as f64 / engine_inter_token_s(&a.url(), &a.url(), bodies).await?;
+    let decode_rate = direct_full_batch_decode_rate(&a.url(), 70_000).await?;
     let mut overrides = test_overrides(&[a]);
     overrides.workers = vec![format!("{},decode_tokens_per_s={decode_rate:.0}", a.worker_flag())];
     let gw = Gateway::start("", overrides).await?;

@@ -156,7 +156,9 @@ async fn hot_work_leaves_an_overloaded_owner_in_a_51_engine_fleet() {
     let gw = gateway(&es, "").await;
     ready(&gw, &es, 1).await;
     let system = long_prompt("hot");
-    // The owner: engine 0 computes the hot prompt, then is stalled with a deep backlog.
+    // The owner: engine 0 computes the hot prompt, then is stalled with a deep backlog until the hot
+    // requests are decided. (A stall of fixed length ran out before them on a loaded machine, and an
+    // owner whose backlog drained rightly won them back.)
     let direct = reqwest::Client::new();
     let r = direct
         .post(format!("{}/v1/chat/completions", es[0].url))
@@ -166,7 +168,7 @@ async fn hot_work_leaves_an_overloaded_owner_in_a_51_engine_fleet() {
         .unwrap();
     assert_eq!(r.status(), 200);
     wait("the owner's blocks", || holder(&gw).as_deref() == Some("e0")).await;
-    let _ = direct.post(format!("{}/admin/stall", es[0].url)).json(&json!({"ms": 3000})).send().await.unwrap();
+    let _ = direct.post(format!("{}/admin/stall", es[0].url)).json(&json!({"ms": 600_000})).send().await.unwrap();
     for i in 0..60 {
         let (c, u, body) = (direct.clone(), es[0].url.clone(), chat(&long_prompt(&format!("bg{i}")), "x", false));
         tokio::spawn(async move { c.post(format!("{u}/v1/chat/completions")).json(&body).send().await });
@@ -191,6 +193,8 @@ async fn hot_work_leaves_an_overloaded_owner_in_a_51_engine_fleet() {
             .any(|s| s["worker"] == "e0" || s["cached_tokens"] == 0));
     }
     assert_eq!(owner, 0, "no new hot request went to the overloaded owner");
+    let r = direct.post(format!("{}/admin/stall", es[0].url)).json(&json!({"ms": 0})).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the owner's stall ends");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,16 +321,24 @@ async fn an_engine_killed_mid_stream_fails_that_stream_and_traffic_moves_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateway_replicas_in_front_of_one_fleet_keep_the_load_spread() {
-    let es = engines(4, 10.0).await;
+    // One engine owns the shared prompt, both replicas know it, and then a burst comes that the owner
+    // alone cannot serve: each request has 1,500 tokens of its own after the shared 1,500, 43 ms of
+    // prefill even on the owner at the speed the gateway is told (the engines run at it), and they
+    // arrive every 15 ms, three times what one engine prefills. The replicas don't share
+    // reservations; each sees the other's work only in the engines' load reports. (A light burst that
+    // the owner serves well is no test of this: the policy rightly keeps it there.)
+    let es = engines(4, 1.0).await;
     let (a, b) = (gateway(&es, "").await, gateway(&es, "").await);
     ready(&a, &es, 2).await;
     ready(&b, &es, 2).await;
     let system = long_prompt("shared");
+    assert_eq!(post(&a, &chat(&system, "warm-up", false)).await.status(), 200);
+    wait("both replicas to see the owner's KV events", || holder(&a).is_some() && holder(&a) == holder(&b)).await;
     let mut tasks = Vec::new();
     for i in 0..40 {
         let gw_url = if i % 2 == 0 { a.url.clone() } else { b.url.clone() };
-        let mut body = chat(&system, &format!("question {i}"), false);
-        body["max_tokens"] = json!(64);
+        let mut body = chat(&system, &long_prompt(&format!("question{i}-")), false);
+        body["max_tokens"] = json!(16);
         tasks.push(tokio::spawn(async move {
             reqwest::Client::new()
                 .post(format!("{gw_url}/v1/chat/completions"))
@@ -343,12 +355,15 @@ async fn two_gateway_replicas_in_front_of_one_fleet_keep_the_load_spread() {
     }
     let mut per_engine = std::collections::BTreeMap::<String, usize>::new();
     for gw in [&a, &b] {
+        // The burst's 20 decisions, not the warm-up.
         for d in decisions(gw, 20).await {
             *per_engine.entry(d["decision"]["worker"].as_str().unwrap().to_owned()).or_default() += 1;
         }
     }
+    // 10 each in all 28 runs seen, 18 of them beside three busy loops. With the queue left out of
+    // the score (a mutation, three runs), one engine took 23–25.
     assert!(per_engine.len() >= 3, "both replicas spread the burst: {per_engine:?}");
-    assert!(per_engine.values().all(|&n| n <= 24), "no engine took most of it: {per_engine:?}");
+    assert!(per_engine.values().all(|&n| n <= 16), "no engine took much over its share: {per_engine:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

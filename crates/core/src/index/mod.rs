@@ -357,6 +357,11 @@ impl KvIndex {
                     out.extend(alive.iter().map(|&slot| (slot, depth)));
                     return;
                 };
+                // Along a shared prefix most blocks have the very holders of the block before.
+                if next.as_slice() == alive.as_slice() {
+                    depth += 1;
+                    continue;
+                }
                 let mut kept = 0;
                 let mut j = 0;
                 for i in 0..alive.len() {

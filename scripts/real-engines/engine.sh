@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# Starts or stops one real vLLM engine (CPU) serving the tiny model, in its own process group.
+# Starts or stops one real engine (vLLM or SGLang, on the CPU) serving the tiny model, in its own
+# process group.
 #
-#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR]
+#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME]
 #   scripts/real-engines/engine.sh stop NAME [RUN_DIR]
 #   scripts/real-engines/engine.sh wait NAME PORT [TIMEOUT_S] [RUN_DIR]
 #
-# KV_ENDPOINT is vLLM's own `endpoint` form: `tcp://*:P` binds the engine's PUB socket (kvgate
-# connects); `tcp://127.0.0.1:P` makes the engine connect (kvgate must bind). The replay socket is
-# always bound by the engine. KV_BYTES is the KV cache size (--kv-cache-memory-bytes): 512 bytes a
-# token for the tiny model, so 4194304 holds 8,192 tokens (256 blocks of 32); the longest prompt
-# is capped at what fits, less one block (at most 4,096 tokens).
+# RUNTIME is `vllm` (the default) or `sglang`. KV_ENDPOINT is the engines' own `endpoint` form (both
+# share the publisher code): `tcp://*:P` binds the engine's PUB socket (kvgate connects);
+# `tcp://127.0.0.1:P` makes the engine connect (kvgate must bind). The replay socket is always bound
+# by the engine. KV_BYTES is the KV cache size: 512 bytes a token for the tiny model, so 4194304
+# holds 8,192 tokens (256 blocks of 32); the longest prompt is capped at what fits, less one block
+# (at most 4,096 tokens). vLLM takes it as --kv-cache-memory-bytes, SGLang as --max-total-tokens.
 #
-# Flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
+# vLLM flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
 # --trust-request-chat-template (tests render other templates through /tokenize), and
 # --enable-prompt-tokens-details (usage reports cached_tokens, the engine's own cache hits); and
 # VLLM_SERVER_DEV_MODE=1 for POST /reset_prefix_cache (the demo empties caches between runs with it).
 #
 # `start` returns at once; `wait` polls /health and /v1/models until the engine serves, failing
-# early (with the log's tail) if the process dies. The pid of the process group leader is in
+# early (with the log's tail) if the process dies.
+#
+# SGLang runs its CPU engine (SGLANG_USE_CPU_ENGINE=1, --device cpu, the torch_native attention
+# backend) with the import-only `sgl_kernel` stand-in on PYTHONPATH; any call to the stand-in is
+# recorded in RUN_DIR/sgl_kernel-calls.log, which the suite requires to stay absent. Its page size is
+# the block size (32), --enable-metrics serves `sglang:*` on /metrics, --enable-cache-report puts
+# `cached_tokens` in usage, and its KV events get the same endpoint, replay socket and topic as vLLM's. The pid of the process group leader is in
 # RUN_DIR/NAME.pid, its log in RUN_DIR/NAME.log. `stop` sends SIGTERM to the whole group, then
 # SIGKILL after 10 s. Everything lives under target/ (default RUN_DIR: target/real-engines/run).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-venv="$root/target/real-engines/venv"
 model="$root/target/real-engines/model"
 cmd="${1:?usage: engine.sh start|stop|wait NAME ...}"
 name="${2:?engine name}"
@@ -67,7 +74,13 @@ case "$cmd" in
   start)
     port="${3:?port}"; kv_endpoint="${4:?kv endpoint}"; replay_port="${5:?replay port}"; kv_bytes="${6:?kv bytes}"
     run="${7:-$root/target/real-engines/run}"
-    [ -x "$venv/bin/python" ] || { echo "engine.sh: no vLLM venv at $venv; run scripts/real-engines/setup.sh" >&2; exit 1; }
+    runtime="${8:-vllm}"
+    case "$runtime" in
+      vllm) venv="$root/target/real-engines/venv" ;;
+      sglang) venv="$root/target/real-engines/sglang-venv" ;;
+      *) echo "engine.sh: unknown runtime $runtime (vllm or sglang)" >&2; exit 2 ;;
+    esac
+    [ -x "$venv/bin/python" ] || { echo "engine.sh: no $runtime venv at $venv; run scripts/real-engines/setup.sh" >&2; exit 1; }
     [ -f "$model/config.json" ] || { echo "engine.sh: no model at $model; run scripts/real-engines/setup.sh" >&2; exit 1; }
     mkdir -p "$run/$name.cache" "$run/$name.tmp"
     stop_group "$run/$name.pid"
@@ -82,16 +95,31 @@ case "$cmd" in
     # 27 s in all, in three suites; niced, not once in seven).
     # kvgate runs on CPUs of its own in a deployment; here it must not wait behind the engines.
     # OMP binding off and one thread each, or every engine of a fleet pins itself to core 0.
-    env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-      VLLM_SERVER_DEV_MODE=1 \
-      VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
-      VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
-      setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' engine \
-        "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
-        --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
-        --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
-        --kv-cache-memory-bytes "$kv_bytes" --trust-request-chat-template --enable-prompt-tokens-details \
-        --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+    niced=(setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' engine)
+    if [ "$runtime" = vllm ]; then
+      env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+        VLLM_SERVER_DEV_MODE=1 \
+        VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
+        VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
+        "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+          --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
+          --kv-cache-memory-bytes "$kv_bytes" --trust-request-chat-template --enable-prompt-tokens-details \
+          --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+    else
+      # SGLang's KV pool is sized in tokens; the same bytes hold the same tokens as vLLM's.
+      sglang_kv_config=$(printf '{"publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$kv_endpoint" "$replay_port")
+      env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 SGLANG_USE_CPU_ENGINE=1 \
+        PYTHONPATH="$root/scripts/real-engines/sglang-stand-in" KVGATE_SGL_KERNEL_LOG="$run/sgl_kernel-calls.log" \
+        OMP_NUM_THREADS=1 \
+        TMPDIR="$run/$name.tmp" XDG_CACHE_HOME="$run/$name.cache" TRITON_CACHE_DIR="$run/$name.cache/triton" \
+        "${niced[@]}" "$venv/bin/python" -m sglang.launch_server \
+          --model-path "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+          --device cpu --attention-backend torch_native --page-size 32 \
+          --max-total-tokens "$((kv_bytes / 512))" --context-length "$max_len" \
+          --enable-metrics --enable-cache-report --skip-server-warmup --trust-request-chat-template \
+          --kv-events-config "$sglang_kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+    fi
     echo $! > "$run/$name.pid"
     ;;
   wait)

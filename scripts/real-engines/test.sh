@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The real-engine suite in one command: set-up (setup.sh), then kvgate against three real vLLM
-# engines on loopback (crates/real-engines/tests/real_engines.rs, about 3 minutes on 2 cores after
-# the first set-up). Engines left behind by an interrupted run are stopped before and after.
+# engines on loopback, then against three real SGLang engines and one vLLM engine
+# (crates/real-engines/tests/real_engines.rs, one fleet after the other: never both in memory).
+# Engines left behind by an interrupted run are stopped before and after.
 #
 # Usage: scripts/real-engines/test.sh [extra cargo test arguments, e.g. -- cache_credit]
+#   KVGATE_REAL_RUNTIMES="sglang" runs one runtime's fleet only (default: "vllm sglang").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/real-engines/setup.sh
@@ -19,4 +21,8 @@ cleanup() {
 }
 cleanup
 trap cleanup EXIT
-cargo test -p kvgate-real-engines --test real_engines "$@"
+for runtime in ${KVGATE_REAL_RUNTIMES:-vllm sglang}; do
+  echo "== real-engine suite: $runtime fleet"
+  KVGATE_REAL_RUNTIME="$runtime" cargo test -p kvgate-real-engines --test real_engines "$@"
+  cleanup
+done

@@ -59,6 +59,7 @@ fn setup(workers: usize) -> (Router, Vec<u32>) {
             kv_usage: 0.3,
             observed_at: Timestamp::ZERO,
             estimated: None,
+            max_running_requests: None,
         };
         router.update_load(id, load).unwrap();
     }

@@ -366,7 +366,9 @@ impl WorkerState {
             decode_tokens: add_signed(s.active_decode_tokens, d.decode_tokens),
             kv_tokens: add_signed(reported_kv, d.kv_tokens),
             kv_capacity_tokens: capacity,
-            max_running_requests: self.config.max_running_requests,
+            // The engine's own limit where it reports one: it is what admits or queues. The configured
+            // one still names the full batch the decode rate is expressed at.
+            max_running_requests: s.max_running_requests.filter(|&m| m > 0).unwrap_or(self.config.max_running_requests),
             chunk_tokens: self.config.chunk_tokens,
             prefill_tps: self.prefill_rate(),
             decode_tps: self.decode_rate(),

@@ -25,6 +25,11 @@ pub struct LoadSnapshot {
     /// estimate for them.
     #[serde(default)]
     pub estimated: Option<CountEstimate>,
+    /// The largest running batch the engine admits, where it reports one (SGLang's
+    /// `max_running_requests` in `/v1/loads`): past it a new request waits for a slot. `None`: the
+    /// worker's configured `max_running_requests` stands in.
+    #[serde(default)]
+    pub max_running_requests: Option<u64>,
 }
 
 /// How a load report's token fields were estimated from its request counts.

@@ -66,6 +66,7 @@ pub fn snapshot_from_report(load: &EngineLoad, assumed: CountAssumptions, observ
             prompt_tokens_per_waiting: per_waiting,
             decode_tokens_per_running: per_running,
         }),
+        max_running_requests: load.max_running_requests,
     }
 }
 

@@ -209,6 +209,7 @@ fn a_count_only_report_keeps_the_prefill_of_requests_it_shows_as_running() {
         active_decode_tokens: 32,
         observed_at: Timestamp::from_millis(20),
         estimated: Some(estimate),
+        max_running_requests: None,
         ..LoadSnapshot::default()
     };
     router.update_load(&wid(0), running).unwrap();

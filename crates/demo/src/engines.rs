@@ -1,5 +1,5 @@
-//! The engines a demo run talks to: fresh mock engines in process, or a real vLLM fleet whose prefix
-//! caches are reset before each run.
+//! The engines a demo run talks to: fresh mock engines in process, or a real vLLM or SGLang fleet
+//! whose prefix caches are emptied before each run.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -27,25 +27,27 @@ pub struct Counters {
 pub enum RunEngines {
     /// Mock engines started for this run.
     Mock(Vec<MockEngine>),
-    /// A real vLLM fleet, shared by every run.
-    Vllm(Arc<Fleet>),
+    /// A real vLLM or SGLang fleet, shared by every run.
+    Real(Arc<Fleet>),
 }
 
-/// Rates measured on the development machine's CPU for the tiny model (docs/benchmarks.md):
-/// ~20k prefill tokens/s, ~3k aggregate decode tokens/s at 16 streams.
-const VLLM_PREFILL_TPS: f64 = 20_000.0;
-const VLLM_DECODE_TPS: f64 = 3_000.0;
+/// Rates measured on the development machine's CPU for the tiny model on vLLM (docs/benchmarks.md):
+/// ~20k prefill tokens/s, ~3k aggregate decode tokens/s at 16 streams. SGLang's engines are given
+/// the same: the demo compares policies on one fleet, not the engines with each other.
+const REAL_PREFILL_TPS: f64 = 20_000.0;
+const REAL_DECODE_TPS: f64 = 3_000.0;
 
 impl RunEngines {
     /// Fresh mock engines, or the real fleet with every prefix cache emptied.
     pub async fn start(cfg: &DemoConfig, fleet: Option<Arc<Fleet>>) -> Result<RunEngines, String> {
         if let Some(fleet) = fleet {
             for e in &fleet.engines {
-                // vLLM's dev-mode reset: the engine publishes AllBlocksCleared, as on a restart.
-                let r =
-                    http().post(format!("{}/reset_prefix_cache", e.url())).send().await.map_err(|e| e.to_string())?;
+                let reset = e.spec.runtime.flush_cache_path();
+                // vLLM's dev-mode reset or SGLang's flush: the engine publishes AllBlocksCleared, as
+                // on a restart.
+                let r = http().post(format!("{}{reset}", e.url())).send().await.map_err(|e| e.to_string())?;
                 if !r.status().is_success() {
-                    return Err(format!("engine {}: POST /reset_prefix_cache answered {}", e.spec.name, r.status()));
+                    return Err(format!("engine {}: POST {reset} answered {}", e.spec.name, r.status()));
                 }
                 // vLLM publishes AllBlocksCleared with its next scheduler step: give it one, so the
                 // run's gateway (which replays the engine's history from 0) ends with an empty view.
@@ -65,7 +67,7 @@ impl RunEngines {
                     ));
                 }
             }
-            return Ok(RunEngines::Vllm(fleet));
+            return Ok(RunEngines::Real(fleet));
         }
         let profile = crate::demo_profile();
         let mut engines = Vec::new();
@@ -85,7 +87,7 @@ impl RunEngines {
     pub fn len(&self) -> usize {
         match self {
             RunEngines::Mock(e) => e.len(),
-            RunEngines::Vllm(f) => f.engines.len(),
+            RunEngines::Real(f) => f.engines.len(),
         }
     }
 
@@ -98,7 +100,7 @@ impl RunEngines {
     pub fn model(&self) -> &'static str {
         match self {
             RunEngines::Mock(_) => "mock-model",
-            RunEngines::Vllm(_) => kvgate_real_engines::fleet::MODEL,
+            RunEngines::Real(_) => kvgate_real_engines::fleet::MODEL,
         }
     }
 
@@ -125,7 +127,7 @@ impl RunEngines {
                 }
                 toml
             }
-            RunEngines::Vllm(fleet) => {
+            RunEngines::Real(fleet) => {
                 let tokenizer = kvgate_real_engines::fleet::model_dir().join("tokenizer.json");
                 let mut toml = format!(
                     "[server]\nblock_size = {}\n[tokenizer]\nkind = \"hf\"\npath = \"{}\"\n",
@@ -134,8 +136,9 @@ impl RunEngines {
                 );
                 for (i, e) in fleet.engines.iter().enumerate() {
                     toml.push_str(&format!(
-                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"vllm\"\nkv_events = \":{}\"\nreplay = \":{}\"\nprefill_tokens_per_s = {VLLM_PREFILL_TPS}\ndecode_tokens_per_s = {VLLM_DECODE_TPS}\n",
+                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"{}\"\nkv_events = \":{}\"\nreplay = \":{}\"\nprefill_tokens_per_s = {REAL_PREFILL_TPS}\ndecode_tokens_per_s = {REAL_DECODE_TPS}\n",
                         e.url(),
+                        e.spec.runtime,
                         e.kv_port,
                         e.replay_port
                     ));
@@ -155,16 +158,16 @@ impl RunEngines {
                     Counters { prompt_tokens, cached_tokens, finished: e.shared.finished.load(Ordering::Relaxed) }
                 })
                 .collect()),
-            RunEngines::Vllm(fleet) => {
+            RunEngines::Real(fleet) => {
                 let mut out = Vec::new();
                 for e in &fleet.engines {
-                    let url = e.url();
+                    let (url, runtime) = (e.url(), e.spec.runtime);
                     let m = |name: &'static str| engine_metric(&url, name);
                     let read = async {
                         Ok::<_, anyhow::Error>(Counters {
-                            prompt_tokens: m("vllm:prefix_cache_queries_total").await? as u64,
-                            cached_tokens: m("vllm:prefix_cache_hits_total").await? as u64,
-                            finished: m("vllm:request_success_total").await? as u64,
+                            prompt_tokens: m(runtime.prompt_tokens_metric()).await? as u64,
+                            cached_tokens: m(runtime.cached_tokens_metric()).await? as u64,
+                            finished: m(runtime.finished_metric()).await? as u64,
                         })
                     };
                     out.push(read.await.map_err(|err| format!("engine {}: {err:#}", e.spec.name))?);
@@ -178,10 +181,10 @@ impl RunEngines {
     pub async fn waiting(&self) -> Vec<u32> {
         match self {
             RunEngines::Mock(engines) => engines.iter().map(|e| e.shared.load.lock().waiting_requests as u32).collect(),
-            RunEngines::Vllm(fleet) => {
+            RunEngines::Real(fleet) => {
                 let mut out = Vec::new();
                 for e in &fleet.engines {
-                    out.push(engine_metric(&e.url(), "vllm:num_requests_waiting").await.unwrap_or(0.0) as u32);
+                    out.push(engine_metric(&e.url(), e.spec.runtime.waiting_metric()).await.unwrap_or(0.0) as u32);
                 }
                 out
             }
@@ -221,7 +224,7 @@ impl RunEngines {
     pub fn peak_waiting(&self, sampled: &[(f64, Vec<u32>)]) -> Vec<u64> {
         match self {
             RunEngines::Mock(engines) => engines.iter().map(|e| e.shared.max_waiting.load(Ordering::Relaxed)).collect(),
-            RunEngines::Vllm(fleet) => (0..fleet.engines.len())
+            RunEngines::Real(fleet) => (0..fleet.engines.len())
                 .map(|i| sampled.iter().filter_map(|(_, d)| d.get(i)).copied().max().unwrap_or(0) as u64)
                 .collect(),
         }

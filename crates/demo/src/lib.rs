@@ -55,10 +55,10 @@ pub struct DemoConfig {
 }
 
 impl DemoConfig {
-    /// The demo scaled to real vLLM engines on the CPU: four engines (`kvgate demo` starts one per core,
+    /// The demo scaled to real vLLM or SGLang engines on the CPU: four engines (`kvgate demo` starts one per core,
     /// 2 to 4, at the same rate per engine), 6 requests a second for 20 s,
     /// system prompts of 100–300 words and short outputs.
-    pub fn for_vllm() -> Self {
+    pub fn for_real_engines() -> Self {
         DemoConfig {
             workers: 4,
             duration_s: 20.0,

@@ -425,6 +425,7 @@ impl Engine {
             kv_usage: self.cache.used_blocks() as f64 / self.cache.capacity_blocks().max(1) as f64,
             observed_at: now,
             estimated: None,
+            max_running_requests: None,
         }
     }
 

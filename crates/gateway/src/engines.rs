@@ -62,11 +62,12 @@ fn start_streams(ctx: &EngineContext, engine: &Arc<EngineHandle>, spec: &crate::
     }
 }
 
-/// Asks an engine configured without `kv_events` where it publishes them (SGLang's `GET
-/// /server_info`, or `/get_server_info` on older versions) and, if it says, subscribes. An engine
-/// that answers without a ZMQ publisher is not asked again; one that cannot be reached is asked at
-/// its next health check.
-async fn discover_kv_events(ctx: &EngineContext, engine: &Arc<EngineHandle>, timeout: Duration) {
+/// Reads an engine's `GET /server_info` (`/get_server_info` on older SGLang versions) and acts on
+/// it: an SGLang engine's page size is checked against the gateway's block size and its KV capacity
+/// taken as reported, and an engine configured without `kv_events` is subscribed to the publisher
+/// it announces. An engine that answers without a ZMQ publisher is not asked again where it
+/// publishes; one that cannot be reached is asked at its next health check.
+async fn read_server_info(ctx: &EngineContext, engine: &Arc<EngineHandle>, timeout: Duration) {
     let mut info = None;
     for path in ["/server_info", "/get_server_info"] {
         let Ok(resp) = ctx.http.get(format!("{}{path}", engine.base)).timeout(timeout).send().await else { return };
@@ -75,16 +76,44 @@ async fn discover_kv_events(ctx: &EngineContext, engine: &Arc<EngineHandle>, tim
             break;
         }
     }
-    let announced = info.as_ref().and_then(|i| announced_kv_events(&engine.spec, i));
+    engine.server_info_read.store(true, Ordering::Relaxed);
+    if let Some(info) = &info {
+        observe_server_info(ctx, engine, info);
+    }
+    if engine.wants_kv_discovery() {
+        discover_kv_events(ctx, engine, info.as_ref());
+    }
+}
+
+/// What an SGLang `/server_info` says about the engine itself: its page size (the server argument
+/// `page_size`, or the `kv_events` announcement's `block_size`) and its KV capacity
+/// (`max_total_num_tokens`).
+fn observe_server_info(ctx: &EngineContext, engine: &EngineHandle, info: &serde_json::Value) {
+    let number = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64);
+    let page_size = number(info.get("page_size"))
+        .or_else(|| number(info.get("kv_events").and_then(|k| k.get("block_size"))))
+        .and_then(|b| u32::try_from(b).ok())
+        .filter(|&b| b > 0);
+    if let Some(bs) = page_size {
+        observe_block_size(ctx, engine, bs, "page_size in /server_info");
+    }
+    if let Some(tokens) = number(info.get("max_total_num_tokens")).filter(|&t| t > 0) {
+        observe_capacity(ctx, engine, tokens);
+    }
+}
+
+/// Subscribes to the KV events an engine configured without `kv_events` announces in its
+/// `/server_info` answer (`None`: it answered nothing usable).
+fn discover_kv_events(ctx: &EngineContext, engine: &Arc<EngineHandle>, info: Option<&serde_json::Value>) {
+    let announced = info.and_then(|i| announced_kv_events(&engine.spec, i));
     *engine.discovered.lock() = Some(announced.clone());
     let Some(spec) = announced else {
         tracing::debug!(engine = %engine.id, "the engine announces no KV event publisher: load-only");
         return;
     };
     tracing::info!(engine = %engine.id, kv_events = ?spec.kv_events, replay = ?spec.replay, "KV events announced by the engine");
-    if let Some(b) = spec.block_size.filter(|&b| b != ctx.settings.block_size) {
-        *engine.config_problem.lock() =
-            Some(format!("engine block_size {b} differs from the gateway's block_size {}", ctx.settings.block_size));
+    if let Some(b) = spec.block_size {
+        observe_block_size(ctx, engine, b, "block_size of the kv_events announcement");
     }
     let state = match engine.config_problem.lock().clone() {
         Some(problem) => KvState::Invalid(problem),
@@ -211,7 +240,10 @@ fn ejected(ctx: &EngineContext, engine: &EngineHandle) -> bool {
 }
 
 /// Drops the engine's KV view now and asks its subscribers to rebuild it from the replay socket.
+/// What the engine said about itself in `/server_info` is read again: a restarted engine may run
+/// with other settings.
 pub fn resync(ctx: &EngineContext, engine: &EngineHandle, why: &str) {
+    engine.server_info_read.store(false, Ordering::Relaxed);
     let _ = ctx.router.clear_kv(&engine.id);
     let kv = if !engine.has_kv_events() {
         engine.synced_state()
@@ -275,11 +307,17 @@ async fn load_loop(ctx: EngineContext, engine: Arc<EngineHandle>) {
 const HEALTH_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// Longest wait for an engine's `/health` answer.
 const HEALTH_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+/// Shortest wait for an SGLang engine's `/health` answer: SGLang's `/health` sends the scheduler a
+/// one-token request and answers after polling for its reply once a second, so even an idle engine
+/// takes just over a second (measured on 0.5.23: 1.00 s idle), and a second's timeout failed every
+/// check and took every SGLang engine out of rotation.
+const SGLANG_HEALTH_TIMEOUT_MIN: Duration = Duration::from_secs(3);
 
 async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_models: bool) {
     // At least a second: a busy gateway (or test machine) must not read its own slowness as a sick
     // engine, which would take it out of rotation and throw away its KV view on return.
-    let timeout = ctx.settings.health_interval.clamp(HEALTH_TIMEOUT_MIN, HEALTH_TIMEOUT_MAX);
+    let floor = if engine.is_sglang() { SGLANG_HEALTH_TIMEOUT_MIN } else { HEALTH_TIMEOUT_MIN };
+    let timeout = ctx.settings.health_interval.clamp(floor, HEALTH_TIMEOUT_MAX);
     // Whether the check passed, and, if not, whether the engine itself said so (an answer, a refused
     // connect) rather than being slow to answer, which a busy gateway can cause.
     let (ok, engine_said) = match ctx.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
@@ -300,8 +338,8 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
         if refresh_models || engine.models.lock().is_empty() {
             refresh_model_list(ctx, engine, timeout).await;
         }
-        if engine.wants_kv_discovery() {
-            discover_kv_events(ctx, engine, timeout).await;
+        if engine.wants_server_info() {
+            read_server_info(ctx, engine, timeout).await;
         }
     } else {
         check_failed(ctx, engine, engine_said);
@@ -371,36 +409,21 @@ async fn poll_load(ctx: &EngineContext, engine: &EngineHandle) {
 }
 
 /// Acts on what a load report says about the engine itself: its block size (checked against the
-/// gateway's), its KV capacity (used unless configured), and its process start time (a change is a
-/// restart).
+/// gateway's), its KV capacity (used unless configured), its batch limit, and its process start
+/// time (a change is a restart).
 fn observe_identity(ctx: &EngineContext, engine: &EngineHandle, load: &EngineLoad) {
     let before = {
         let mut id = engine.identity.lock();
         let before = *id;
         id.start_time_s = load.process_start_time_s.or(id.start_time_s);
-        id.block_size = load.block_size.or(id.block_size);
-        id.capacity_tokens = load.kv_capacity_tokens.or(id.capacity_tokens);
+        id.max_running_requests = load.max_running_requests.or(id.max_running_requests);
         before
     };
-    if let Some(bs) = load.block_size.filter(|b| before.block_size != Some(*b)) {
-        let gateway = ctx.router.block_size();
-        if bs != gateway {
-            let problem = format!(
-                "the engine reports block_size {bs} (vllm:cache_config_info) but kvgate's block_size is {gateway}: \
-                 start kvgate with --block-size {bs}"
-            );
-            tracing::warn!(engine = %engine.id, "{problem}; no cache credit for it");
-            *engine.config_problem.lock() = Some(problem.clone());
-            let _ = ctx.router.clear_kv(&engine.id);
-            let _ = ctx.router.set_kv_state(&engine.id, KvState::Invalid(problem));
-        } else if engine.config_problem.lock().take().is_some() {
-            resync(ctx, engine, "the engine's block size now matches");
-        }
+    if let Some(bs) = load.block_size {
+        observe_block_size(ctx, engine, bs, "vllm:cache_config_info");
     }
-    if let Some(tokens) = load.kv_capacity_tokens.filter(|t| *t > 0 && before.capacity_tokens != Some(*t)) {
-        if engine.spec.kv_capacity_tokens.is_none() {
-            let _ = ctx.router.set_kv_capacity(&engine.id, tokens);
-        }
+    if let Some(tokens) = load.kv_capacity_tokens.filter(|t| *t > 0) {
+        observe_capacity(ctx, engine, tokens);
     }
     if let (Some(old), Some(new)) = (before.start_time_s, load.process_start_time_s) {
         if (old - new).abs() > 0.5 {
@@ -408,6 +431,37 @@ fn observe_identity(ctx: &EngineContext, engine: &EngineHandle, load: &EngineLoa
             engine.stream.restarts.fetch_add(1, Ordering::Relaxed);
             resync(ctx, engine, "engine restarted");
         }
+    }
+}
+
+/// Checks the block size an engine reports (`source` says where) against the gateway's: on a
+/// mismatch no block key of kvgate's can match the engine's, so its KV view is dropped and marked
+/// `invalid` with the fix; once they match again it is rebuilt.
+fn observe_block_size(ctx: &EngineContext, engine: &EngineHandle, reported: u32, source: &str) {
+    let before = engine.identity.lock().block_size.replace(reported);
+    if before == Some(reported) {
+        return;
+    }
+    let gateway = ctx.router.block_size();
+    if reported != gateway {
+        let problem = format!(
+            "the engine reports block_size {reported} ({source}) but kvgate's block_size is {gateway}: \
+             start kvgate with --block-size {reported}"
+        );
+        tracing::warn!(engine = %engine.id, "{problem}; no cache credit for it");
+        *engine.config_problem.lock() = Some(problem.clone());
+        let _ = ctx.router.clear_kv(&engine.id);
+        let _ = ctx.router.set_kv_state(&engine.id, KvState::Invalid(problem));
+    } else if engine.config_problem.lock().take().is_some() {
+        resync(ctx, engine, "the engine's block size now matches");
+    }
+}
+
+/// Takes the KV capacity an engine reports, unless the worker's configuration gives one.
+fn observe_capacity(ctx: &EngineContext, engine: &EngineHandle, tokens: u64) {
+    let before = engine.identity.lock().capacity_tokens.replace(tokens);
+    if before != Some(tokens) && engine.spec.kv_capacity_tokens.is_none() {
+        let _ = ctx.router.set_kv_capacity(&engine.id, tokens);
     }
 }
 

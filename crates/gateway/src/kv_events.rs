@@ -56,6 +56,10 @@ pub struct StreamStats {
     pub history_lost: AtomicU64,
     /// Restarts detected.
     pub restarts: AtomicU64,
+    /// The sequence number this subscriber joined the stream at, when it joined after the engine
+    /// had published and no replay socket could supply the batches before (`u64::MAX`: it did not):
+    /// blocks stored before then are unknown, so credit can only be under-reported.
+    pub joined_at_seq: AtomicU64,
     /// Messages or events that could not be decoded.
     pub decode_errors: AtomicU64,
     /// Connection attempts that failed.
@@ -79,6 +83,8 @@ pub struct StreamView {
     pub history_lost: u64,
     /// Restarts detected.
     pub restarts: u64,
+    /// See [`StreamStats::joined_at_seq`].
+    pub joined_at_seq: Option<u64>,
     /// Undecodable messages or events.
     pub decode_errors: u64,
     /// Failed connection attempts.
@@ -90,6 +96,7 @@ impl StreamStats {
     pub fn new() -> Self {
         let s = StreamStats::default();
         s.last_seq.store(u64::MAX, Ordering::Relaxed);
+        s.joined_at_seq.store(u64::MAX, Ordering::Relaxed);
         s
     }
 
@@ -97,6 +104,7 @@ impl StreamStats {
     pub fn view(&self) -> StreamView {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let last = g(&self.last_seq);
+        let joined = g(&self.joined_at_seq);
         StreamView {
             last_seq: (last != u64::MAX).then_some(last),
             batches: g(&self.batches),
@@ -105,6 +113,7 @@ impl StreamStats {
             replays: g(&self.replays),
             history_lost: g(&self.history_lost),
             restarts: g(&self.restarts),
+            joined_at_seq: (joined != u64::MAX).then_some(joined),
             decode_errors: g(&self.decode_errors),
             connect_failures: g(&self.connect_failures),
         }
@@ -301,6 +310,7 @@ impl Subscriber {
     async fn rebuild(&mut self) {
         self.tracker = StreamTracker::new();
         self.stats.last_seq.store(u64::MAX, Ordering::Relaxed);
+        self.stats.joined_at_seq.store(u64::MAX, Ordering::Relaxed);
         if self.cfg.replay.is_some() {
             self.replay(0).await;
         } else {
@@ -339,8 +349,23 @@ impl Subscriber {
             self.ctx.clock.now(),
         );
         let mark = mark(batch);
+        if self.cfg.replay.is_none() && self.tracker.applied().is_none() && self.tracker.awaiting_replay().is_none() {
+            self.join(msg.seq, mark);
+        }
         let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
         self.act(action).await;
+    }
+
+    /// A fresh subscriber without a replay socket takes its first batch as where it joined the
+    /// stream: the engine's earlier batches were published before it subscribed, which is no gap
+    /// to replay (there is nothing to replay from). A batch that clears everything starts a
+    /// complete view; any other leaves the blocks stored before it unknown, which is said.
+    fn join(&mut self, seq: u64, mark: BatchMark) {
+        self.tracker.join_at(seq);
+        if seq > 0 && !mark.clears_all {
+            self.stats.joined_at_seq.store(seq, Ordering::Relaxed);
+            tracing::info!(engine = %self.cfg.worker, seq, "joined the KV event stream after the engine began publishing, without a replay socket: blocks it stored before are not credited");
+        }
     }
 
     /// Carries out what the tracker decided about a batch.

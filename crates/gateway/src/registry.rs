@@ -38,6 +38,7 @@ pub(crate) struct Identity {
     pub(crate) start_time_s: Option<f64>,
     pub(crate) block_size: Option<u32>,
     pub(crate) capacity_tokens: Option<u64>,
+    pub(crate) max_running_requests: Option<u64>,
 }
 
 /// What the gateway knows about one engine besides the core's view.
@@ -73,6 +74,10 @@ pub struct EngineHandle {
     /// The KV-event settings the engine announced (`GET /server_info`), for an engine configured
     /// without `kv_events`; `Some(None)` once it said it publishes none.
     pub discovered: Mutex<Option<Option<WorkerSpec>>>,
+    /// Whether the engine's `GET /server_info` was read since it last came (back) into rotation:
+    /// an SGLang engine publishes its page size and KV capacity there, and a restarted one may
+    /// come back with other settings.
+    pub server_info_read: AtomicBool,
     /// Its metric series.
     pub metrics: crate::metrics::EngineMetrics,
     pub(crate) identity: Mutex<Identity>,
@@ -109,6 +114,9 @@ pub struct EngineView {
     pub engine_block_size: Option<u32>,
     /// The KV capacity in tokens the engine reports, if it does.
     pub engine_kv_capacity_tokens: Option<u64>,
+    /// The largest running batch the engine reports admitting (SGLang `max_running_requests`): the
+    /// slot limit kvgate plans with for it.
+    pub engine_max_running_requests: Option<u64>,
     /// When the engine process started (Unix seconds), if it says.
     pub engine_started_at_s: Option<f64>,
     /// The core's view: reconciled load, KV state, blocks held, reservations.
@@ -143,6 +151,7 @@ impl EngineHandle {
             resync: tokio::sync::watch::Sender::new(0),
             config_problem: Mutex::new(None),
             discovered: Mutex::new(None),
+            server_info_read: AtomicBool::new(false),
             identity: Mutex::new(Identity::default()),
             outlier: Mutex::new(Outlier::default()),
             tasks: Mutex::new(Vec::new()),
@@ -184,6 +193,18 @@ impl EngineHandle {
         self.spec.kv_events.is_some() || matches!(*self.discovered.lock(), Some(Some(_)))
     }
 
+    /// Whether it is (or reports like) an SGLang engine, which describes itself in `/server_info`.
+    pub fn is_sglang(&self) -> bool {
+        self.spec.engine == EngineKind::Sglang
+            || (self.spec.engine == EngineKind::Auto && *self.telemetry.lock() == Some(EngineKind::Sglang))
+    }
+
+    /// Whether its `GET /server_info` should be read now: to learn where it publishes KV events,
+    /// or, for an SGLang engine, its page size and capacity since it last came into rotation.
+    pub fn wants_server_info(&self) -> bool {
+        self.wants_kv_discovery() || (self.is_sglang() && !self.server_info_read.load(Ordering::Relaxed))
+    }
+
     /// Whether its `GET /server_info` should still be asked where it publishes KV events.
     pub fn wants_kv_discovery(&self) -> bool {
         self.spec.kv_events.is_none()
@@ -211,6 +232,7 @@ impl EngineHandle {
             models: self.models.lock().clone(),
             engine_block_size: identity.block_size,
             engine_kv_capacity_tokens: identity.capacity_tokens,
+            engine_max_running_requests: identity.max_running_requests,
             engine_started_at_s: identity.start_time_s,
             router: ctx.router.worker_status(&self.id, ctx.clock.now()).ok(),
             last_event_seq: self.stream.view().last_seq,

@@ -285,6 +285,7 @@ fn add_worker(router: &Router, w: &WorkerInput, d: &Defaults, block: usize, now:
             kv_usage: load.kv_usage,
             observed_at: now.saturating_sub(std::time::Duration::from_millis(load.age_ms)),
             estimated: None,
+            max_running_requests: None,
         };
         router.update_load(&id, snapshot)?;
     }

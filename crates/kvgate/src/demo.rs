@@ -22,21 +22,36 @@ pub enum DemoEngines {
     /// Real vLLM engines on the CPU with a tiny model, set up by scripts/real-engines/setup.sh
     /// (about 3.4 GB the first time) and started once; their prefix caches are reset before each run.
     Vllm,
+    /// Real SGLang engines on the CPU with the same model, set up by the same script (about 7 GB the
+    /// first time); their prefix caches are flushed before each run.
+    Sglang,
+}
+
+impl DemoEngines {
+    /// The real runtime these engines are, if they are real.
+    fn runtime(self) -> Option<kvgate_real_engines::fleet::Runtime> {
+        use kvgate_real_engines::fleet::Runtime;
+        match self {
+            DemoEngines::Mock => None,
+            DemoEngines::Vllm => Some(Runtime::Vllm),
+            DemoEngines::Sglang => Some(Runtime::Sglang),
+        }
+    }
 }
 
 /// Flags of `kvgate demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Which engines: mock (default) or vllm.
+    /// Which engines: mock (default), vllm or sglang.
     #[arg(long, value_enum, default_value_t = DemoEngines::Mock)]
     engines: DemoEngines,
-    /// Engines [default: 8 mock; vllm: one per CPU core, 2 to 4].
+    /// Engines [default: 8 mock; vllm, sglang: one per CPU core, 2 to 4].
     #[arg(long)]
     workers: Option<usize>,
-    /// Seconds of traffic per run [default: 10 mock, 20 vllm].
+    /// Seconds of traffic per run [default: 10 mock, 20 vllm or sglang].
     #[arg(long)]
     duration: Option<f64>,
-    /// Requests per second [default: 50 mock; vllm: 1.5 per engine].
+    /// Requests per second [default: 50 mock; vllm, sglang: 1.5 per engine].
     #[arg(long)]
     rate: Option<f64>,
     /// Engine model speed-up (1: the engines run at the modelled speed).
@@ -60,21 +75,25 @@ pub struct DemoArgs {
     plot: Option<PathBuf>,
 }
 
-/// Sets up and starts the real vLLM fleet for `kvgate demo --engines vllm`.
-fn start_vllm_fleet(workers: usize) -> anyhow::Result<kvgate_real_engines::fleet::Fleet> {
+/// Sets up and starts the real fleet for `kvgate demo --engines vllm|sglang`.
+fn start_real_fleet(
+    runtime: kvgate_real_engines::fleet::Runtime,
+    workers: usize,
+) -> anyhow::Result<kvgate_real_engines::fleet::Fleet> {
     use kvgate_real_engines::fleet::{repo_root, EngineSpec, Fleet, BYTES_PER_TOKEN};
     let setup = repo_root().join("scripts/real-engines/setup.sh");
     if !setup.exists() {
-        bail!("--engines vllm runs from the kvgate source tree ({} is missing)", setup.display());
+        bail!("--engines {runtime} runs from the kvgate source tree ({} is missing)", setup.display());
     }
-    eprintln!("setting up vLLM for CPU and the tiny model (scripts/real-engines/setup.sh)...");
+    eprintln!("setting up vLLM and SGLang for CPU and the tiny model (scripts/real-engines/setup.sh)...");
     let status = std::process::Command::new("bash").arg(&setup).status().context("cannot run setup.sh")?;
     if !status.success() {
         bail!("scripts/real-engines/setup.sh failed");
     }
-    eprintln!("starting {workers} vLLM engines (about a minute)...");
+    eprintln!("starting {workers} {runtime} engines (about a minute)...");
     // 4,096 tokens of KV each: small enough that the hot prefix's owner queues under the burst.
-    let specs = (0..workers).map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN)).collect();
+    let specs =
+        (0..workers).map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN).on(runtime)).collect();
     Fleet::start(specs, Duration::from_secs(600))
 }
 
@@ -89,33 +108,34 @@ fn cores() -> usize {
 /// while the others compute, which no router can see, and every policy that spreads work then pays
 /// for it. Four engines on two cores gave `enforce` a TTFT p90 of 2.7–5.0 s against
 /// `cache_aware_seeded`'s 1.8–2.8 (docs/mock-engine.md).
-fn default_vllm_workers(cores: usize, most: usize) -> usize {
+fn default_real_workers(cores: usize, most: usize) -> usize {
     cores.clamp(2, most)
 }
 
 /// Runs `kvgate demo`.
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
-    let vllm = a.engines == DemoEngines::Vllm;
-    let base = if vllm { DemoConfig::for_vllm() } else { DemoConfig::default() };
+    let real = a.engines.runtime();
+    let is_real = real.is_some();
+    let base = if is_real { DemoConfig::for_real_engines() } else { DemoConfig::default() };
     let workers = match a.workers {
         Some(n) => n,
-        None if vllm => default_vllm_workers(cores(), base.workers),
+        None if is_real => default_real_workers(cores(), base.workers),
         None => base.workers,
     };
     // Real engines are offered the same load each, however many there are.
-    let default_rate = if vllm { base.rate / base.workers as f64 * workers as f64 } else { base.rate };
+    let default_rate = if is_real { base.rate / base.workers as f64 * workers as f64 } else { base.rate };
     let (duration, rate) = (a.duration.unwrap_or(base.duration_s), a.rate.unwrap_or(default_rate));
-    if workers == 0 || workers > 64 || (vllm && workers > 8) {
-        bail!("--workers must be between 1 and 64 (at most 8 vLLM engines)");
+    if workers == 0 || workers > 64 || (is_real && workers > 8) {
+        bail!("--workers must be between 1 and 64 (at most 8 real engines)");
     }
     let in_range = |v: f64, max: f64| v > 0.0 && v <= max;
     if !in_range(duration, 3600.0) || !in_range(rate, 1000.0) || !in_range(a.speedup, 100.0) {
         bail!("--duration must be in (0, 3600], --rate in (0, 1000] and --speedup in (0, 100]");
     }
-    if vllm && a.speedup != 1.0 {
+    if is_real && a.speedup != 1.0 {
         bail!("--speedup applies to mock engines only: real engines run at their own speed");
     }
-    if vllm && workers > cores() {
+    if is_real && workers > cores() {
         eprintln!(
             "note: {workers} engines share {} CPU cores: an engine that looks idle has no core of its own, so \
              policies that spread work look worse than they would on GPUs",
@@ -132,7 +152,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         timeline: a.plot.is_some(),
         ..base
     };
-    let fleet = if vllm { Some(Arc::new(start_vllm_fleet(workers)?)) } else { None };
+    let fleet = match real {
+        Some(runtime) => Some(Arc::new(start_real_fleet(runtime, workers)?)),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let per_run = kvgate_demo::requests_per_run(&cfg) as u64;
     let reports = runtime.block_on(async {
@@ -171,10 +194,11 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>(reports)
     })?;
     drop(fleet);
-    let header = if vllm {
+    let header = if is_real {
         format!(
-            "kvgate demo: {} real vLLM engines (CPU, tiny model) over loopback HTTP, {per_run} requests per run",
-            cfg.workers
+            "kvgate demo: {} real {} engines (CPU, tiny model) over loopback HTTP, {per_run} requests per run",
+            cfg.workers,
+            a.engines.runtime().map_or("", |r| r.name())
         )
     } else {
         format!(
@@ -269,13 +293,13 @@ pub fn mock_engine(a: MockEngineArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::default_vllm_workers;
+    use super::default_real_workers;
 
     #[test]
     fn real_engines_default_to_one_per_core_between_two_and_the_most() {
-        assert_eq!(default_vllm_workers(1, 4), 2);
-        assert_eq!(default_vllm_workers(2, 4), 2);
-        assert_eq!(default_vllm_workers(3, 4), 3);
-        assert_eq!(default_vllm_workers(64, 4), 4);
+        assert_eq!(default_real_workers(1, 4), 2);
+        assert_eq!(default_real_workers(2, 4), 2);
+        assert_eq!(default_real_workers(3, 4), 3);
+        assert_eq!(default_real_workers(64, 4), 4);
     }
 }

@@ -47,6 +47,9 @@ pub struct EngineLoad {
     pub prefix_cache_hits: Option<u64>,
     /// Prompt tokens looked up in the prefix cache since start (vLLM `prefix_cache_queries_total`).
     pub prefix_cache_queries: Option<u64>,
+    /// The largest running batch the engine admits (SGLang `max_running_requests`), summed over
+    /// data-parallel ranks.
+    pub max_running_requests: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -65,6 +68,7 @@ struct RankLoad {
     token_usage: Option<f64>,
     gen_throughput: Option<f64>,
     max_total_num_tokens: Option<u64>,
+    max_running_requests: Option<u64>,
 }
 
 /// Sums that stay sums: counts saturate at `u64::MAX` instead of overflowing (an engine that
@@ -107,6 +111,7 @@ pub fn parse_sglang_loads(body: &[u8]) -> Result<EngineLoad, TelemetryError> {
         out.active_tokens = sum_opt(out.active_tokens, r.num_active_tokens);
         out.gen_throughput = sum_opt(out.gen_throughput, r.gen_throughput);
         out.kv_capacity_tokens = sum_opt(out.kv_capacity_tokens, r.max_total_num_tokens);
+        out.max_running_requests = sum_opt(out.max_running_requests, r.max_running_requests);
         usage.extend(r.token_usage);
     }
     out.kv_usage = mean(&usage);
@@ -190,6 +195,7 @@ mod tests {
         assert_eq!(l.waiting_uncached_tokens, Some(812));
         assert_eq!(l.kv_usage, Some(0.0125));
         assert_eq!(l.gen_throughput, Some(412.5));
+        assert_eq!((l.kv_capacity_tokens, l.max_running_requests), (Some(411_136), Some(256)));
     }
 
     #[test]

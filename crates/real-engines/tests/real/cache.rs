@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
-use kvgate_real_engines::fleet::{Engine, Fleet, BLOCK_SIZE, MODEL};
+use kvgate_real_engines::fleet::{Engine, Fleet, Runtime, BLOCK_SIZE, MODEL};
 use kvgate_real_engines::gateway::{cached_tokens, engine_metric, post, test_overrides, Gateway};
 use kvgate_real_engines::text;
 use serde_json::{json, Value};
@@ -55,15 +55,23 @@ pub async fn settled_credit(gw: &Gateway, body: &Value, worker: &str) -> anyhow:
 }
 
 /// Sends `body` straight to the engine and returns the prompt tokens it served from its prefix
-/// cache, checked against the `vllm:prefix_cache_hits_total` counter it moved.
+/// cache, checked against the cached-tokens counter it moved (`vllm:prefix_cache_hits_total`,
+/// `sglang:cached_tokens_total`).
 pub async fn engine_hits(engine: &Engine, body: &Value) -> anyhow::Result<u64> {
-    let before = engine_metric(&engine.url(), "vllm:prefix_cache_hits_total").await?;
+    let counter = engine.spec.runtime.cached_tokens_metric();
+    let before = engine_metric(&engine.url(), counter).await?;
     let r = post(&engine.url(), path_of(body), body).await?;
     let reported = cached_tokens(&r);
-    let after = engine_metric(&engine.url(), "vllm:prefix_cache_hits_total").await?;
+    // The counter follows the response by a moment on SGLang (its tokenizer process counts it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut after = engine_metric(&engine.url(), counter).await?;
+    while ((after - before) as u64) < reported && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        after = engine_metric(&engine.url(), counter).await?;
+    }
     ensure!(
         (after - before) as u64 == reported,
-        "engine {} reported {reported} cached tokens in usage but its counter moved by {}",
+        "engine {} reported {reported} cached tokens in usage but its {counter} moved by {}",
         engine.spec.name,
         after - before
     );
@@ -194,17 +202,22 @@ pub async fn eviction_shrinks_credit_with_the_engines_block_removed_events(fleet
 
 pub async fn a_prefix_cache_reset_clears_credit_through_all_blocks_cleared(fleet: Arc<Fleet>) -> anyhow::Result<()> {
     let a = fleet.engine("a");
+    let runtime = a.spec.runtime;
     let gw = Gateway::start("", test_overrides(&[a])).await?;
     let body = completion(json!(text("reset-prefix", 300)));
     post(&a.url(), "/v1/completions", &body).await?;
     settled_credit(&gw, &body, "a").await?;
-    let r = kvgate_real_engines::gateway::http().post(format!("{}/reset_prefix_cache", a.url())).send().await?;
-    ensure!(r.status().is_success(), "POST /reset_prefix_cache answered {}", r.status());
-    // vLLM queues AllBlocksCleared and publishes it with its next scheduler step, not at the reset:
-    // until the engine runs something, its old blocks are still announced.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    ensure!(gw.blocks_held("a").await? > 0, "the reset was announced before the engine's next step");
-    post(&a.url(), "/v1/completions", &completion(json!("an unrelated short prompt"))).await?;
+    let reset = runtime.flush_cache_path();
+    let r = kvgate_real_engines::gateway::http().post(format!("{}{reset}", a.url())).send().await?;
+    ensure!(r.status().is_success(), "POST {reset} answered {}", r.status());
+    if runtime == Runtime::Vllm {
+        // vLLM queues AllBlocksCleared and publishes it with its next scheduler step, not at the
+        // reset: until the engine runs something, its old blocks are still announced. (SGLang
+        // publishes it at the flush.)
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ensure!(gw.blocks_held("a").await? > 0, "the reset was announced before the engine's next step");
+        post(&a.url(), "/v1/completions", &completion(json!("an unrelated short prompt"))).await?;
+    }
     gw.wait_for("the engine's AllBlocksCleared to clear its credit", Duration::from_secs(10), || async {
         Ok(gw.blocks_held("a").await? == 0 && gw.credit(&body, "a").await? == 0)
     })
@@ -215,6 +228,43 @@ pub async fn a_prefix_cache_reset_clears_credit_through_all_blocks_cleared(fleet
     let credit = settled_credit(&gw, &body, "a").await?;
     ensure!(credit == engine_hits(a, &body).await?, "credit after the reset differs from the engine's hits");
     no_decode_errors(&gw, "a").await?;
+    gw.stop().await;
+    Ok(())
+}
+
+pub async fn a_late_subscriber_without_a_replay_socket_joins_without_a_gap(fleet: Arc<Fleet>) -> anyhow::Result<()> {
+    let a = fleet.engine("a");
+    // The engine has published for a while (every trial before this one), and kvgate is told of no
+    // replay socket: its first batch is seq N > 0, which is where it joined, not a gap.
+    post(&a.url(), "/v1/completions", &completion(json!(text("late-join-before", 120)))).await?;
+    let mut o = test_overrides(&[a]);
+    o.workers = vec![format!("{},id=a,engine={},kv_events=:{}", a.url(), a.spec.runtime, a.kv_port)];
+    let gw = Gateway::start("", o).await?;
+    gw.wait_for("a synced worker", Duration::from_secs(10), || async {
+        Ok(gw.kv_state("a").await?["state"] == "synced")
+    })
+    .await?;
+    let body = completion(json!(text("late-join-after", 300)));
+    // The subscription joins the publisher a moment after the socket connects; until a batch
+    // arrives, kvgate has joined nothing. Requests until one has.
+    for i in 0..20 {
+        post(&a.url(), "/v1/completions", &completion(json!(text(&format!("late-join-probe-{i}"), 40)))).await?;
+        if gw.worker("a").await?["kv_events"]["batches"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    post(&a.url(), "/v1/completions", &body).await?;
+    let credit = settled_credit(&gw, &body, "a").await?;
+    let hits = engine_hits(a, &body).await?;
+    ensure!(credit == hits, "kvgate credits {credit} tokens, the engine served {hits}");
+    let stream = gw.worker("a").await?["kv_events"].clone();
+    ensure!(stream["gaps"] == 0 && stream["history_lost"] == 0, "joining counted as a gap: {stream}");
+    ensure!(
+        stream["joined_at_seq"].as_u64().is_some_and(|s| s > 0),
+        "kvgate did not say it joined the stream late: {stream}"
+    );
+    eprintln!("    joined {}'s KV event stream at seq {}, no gap", a.spec.runtime, stream["joined_at_seq"]);
     gw.stop().await;
     Ok(())
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use futures_util::StreamExt;
-use kvgate_real_engines::fleet::{Fleet, MODEL};
+use kvgate_real_engines::fleet::{Engine, Fleet, Runtime, MODEL};
 use kvgate_real_engines::gateway::{engine_metric, http, post, test_overrides, Gateway};
 use serde_json::{json, Value};
 
@@ -261,17 +261,19 @@ async fn stream_all(url: &str, bodies: Vec<Value>) -> anyhow::Result<()> {
 
 /// The decode rate of a full batch sent to the engine at `url` directly, by its own inter-token
 /// times: `DECODE_BATCH` streams, tagged from `first_tag` so that no other request shares them.
-pub(super) async fn direct_full_batch_decode_rate(url: &str, first_tag: u64) -> anyhow::Result<f64> {
+pub(super) async fn direct_full_batch_decode_rate(engine: &Engine, first_tag: u64) -> anyhow::Result<f64> {
     let bodies = (0..DECODE_BATCH).map(|i| streamed(first_tag + i)).collect();
-    Ok(DECODE_BATCH as f64 / engine_inter_token_s(url, url, bodies).await?)
+    let url = engine.url();
+    Ok(DECODE_BATCH as f64 / engine_inter_token_s(engine.spec.runtime, &url, &url, bodies).await?)
 }
 
-/// `bodies` streamed to `url` at once, and the engine's mean inter-token latency over them
-/// (`vllm:inter_token_latency_seconds` of `engine`, timed by the engine core's own clock, so
-/// without the API server's or the client's delays).
-async fn engine_inter_token_s(engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
-    let sum = "vllm:inter_token_latency_seconds_sum";
-    let count = "vllm:inter_token_latency_seconds_count";
+/// `bodies` streamed to `url` at once, and the engine's mean inter-token latency over them (its
+/// `inter_token_latency_seconds` histogram at `engine`: vLLM's is timed by the engine core's own
+/// clock, so without the API server's or the client's delays; SGLang's by its tokenizer process).
+async fn engine_inter_token_s(runtime: Runtime, engine: &str, url: &str, bodies: Vec<Value>) -> anyhow::Result<f64> {
+    let histogram = runtime.inter_token_metric();
+    let (sum, count) = (format!("{histogram}_sum"), format!("{histogram}_count"));
+    let (sum, count) = (sum.as_str(), count.as_str());
     let (sum_before, count_before) = (engine_metric(engine, sum).await?, engine_metric(engine, count).await?);
     let expected = count_before + (bodies.len() as u64 * u64::from(DECODE_TOKENS - 1)) as f64;
     stream_all(url, bodies).await?;
@@ -290,7 +292,7 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
     let a = fleet.engine("a");
     // A first guess at a full batch's decode rate, to configure kvgate 3× off it: the engine's
     // inter-token times of a full batch sent to it directly.
-    let direct_rate = direct_full_batch_decode_rate(&a.url(), 50_000).await?;
+    let direct_rate = direct_full_batch_decode_rate(a, 50_000).await?;
 
     // kvgate in front of `a`, told its full batch is 8 sequences and that it decodes 3× faster.
     // The prefill rate is left at its default: a wave's one-block prompts are computed before its
@@ -315,7 +317,7 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
         let width = 1 + wave % DECODE_BATCH;
         let bodies: Vec<Value> = (0..width).map(|i| streamed(60_000 + wave * 100 + i)).collect();
         if width == DECODE_BATCH {
-            full_wave_inter_token_s.push(engine_inter_token_s(&a.url(), &gw.url, bodies).await?);
+            full_wave_inter_token_s.push(engine_inter_token_s(a.spec.runtime, &a.url(), &gw.url, bodies).await?);
         } else {
             stream_all(&gw.url, bodies).await?;
         }

@@ -8,7 +8,7 @@ use kvgate_demo::{run_one_on, DemoConfig};
 use kvgate_real_engines::fleet::Fleet;
 
 pub async fn the_demo_runs_on_real_engines_and_reuses_their_caches(fleet: Arc<Fleet>) -> anyhow::Result<()> {
-    let cfg = DemoConfig { workers: fleet.engines.len(), duration_s: 6.0, rate: 3.0, ..DemoConfig::for_vllm() };
+    let cfg = DemoConfig { workers: fleet.engines.len(), duration_s: 6.0, rate: 3.0, ..DemoConfig::for_real_engines() };
     let report = run_one_on(&cfg, "projected:enforce", Arc::new(AtomicU64::new(0)), Some(fleet.clone()))
         .await
         .map_err(anyhow::Error::msg)?;

@@ -1,4 +1,4 @@
-//! Decode as occupancy on a real engine: vLLM admits a new prompt at its next step while a batch
+//! Decode as occupancy on a real engine: vLLM and SGLang admit a new prompt at its next step while a batch
 //! decodes, so the running batch costs the prompt a share of its steps, not the time the batch
 //! takes to finish. kvgate's projection for the prompt says the same: its `decode_s` is the steps
 //! the batch rides, and the batch's remaining decode is nowhere in the prompt's projected time.
@@ -49,7 +49,7 @@ pub async fn a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain(
     let a = fleet.engine("a");
     // kvgate is told a's decode as the engine runs it: a batch of 8 takes one inter-token time a
     // step, so 8 running sequences add that much to each step (the batch limit is left far above).
-    let decode_rate = direct_full_batch_decode_rate(&a.url(), 70_000).await?;
+    let decode_rate = direct_full_batch_decode_rate(a, 70_000).await?;
     let mut overrides = test_overrides(&[a]);
     overrides.workers = vec![format!("{},decode_tokens_per_s={decode_rate:.0}", a.worker_flag())];
     let gw = Gateway::start("", overrides).await?;

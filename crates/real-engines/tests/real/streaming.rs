@@ -27,7 +27,7 @@ pub async fn streaming_through_kvgate_is_byte_for_byte_what_the_engine_sent(flee
     let a = fleet.engine("a");
     let recorder = Recorder::start(format!("127.0.0.1:{}", a.port)).await?;
     let mut o = test_overrides(&[a]);
-    o.workers = vec![format!("{},id=a,engine=vllm", recorder.url)];
+    o.workers = vec![format!("{},id=a,engine={}", recorder.url, a.spec.runtime)];
     let gw = Gateway::start("", o).await?;
     let cases = [
         (
@@ -60,7 +60,7 @@ pub async fn streaming_through_kvgate_is_byte_for_byte_what_the_engine_sent(flee
         );
         let text = String::from_utf8_lossy(&received);
         let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
-        // vLLM's output collector merges the tokens a slow reader has not yet taken into one chunk, so on a
+        // vLLM's output collector (and SGLang's detokenizer) merges the tokens a slow reader has not yet taken into one chunk, so on a
         // busy machine all 24 tokens can arrive as a single content event: one or more content events, then
         // usage, then [DONE].
         ensure!(events.len() >= 3, "{path}: only {} events", events.len());

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# kvgate against SMG on the same real vLLM fleet: NVIDIA's aiperf replays a Mooncake conversation
-# slice through each router, every run on a freshly started fleet (cold caches), runs interleaved and
-# repeated. Reports TTFT p50/p90/p99, throughput, errors, and the engines' own prefix-cache hit rate
-# (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, summed over the fleet).
-# Not part of CI; results go in docs/benchmarks.md.
+# kvgate against SMG on the same real vLLM or SGLang fleet: NVIDIA's aiperf replays a Mooncake
+# conversation slice through each router, every run on a freshly started fleet (cold caches), runs
+# interleaved and repeated. Reports TTFT p50/p90/p99, throughput, errors, and the engines' own
+# prefix-cache hit rate (cached over prompt tokens by the engines' own counters, summed over the
+# fleet: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, or
+# sglang:cached_tokens_total / sglang:prompt_tokens_total). Not part of CI; results go in
+# docs/benchmarks.md.
 #
 # Usage: scripts/real-engines/bench.sh [ROWS] [ENGINES] [TIME_SCALE] [REPEATS] [CONFIGS]
 #   ROWS        trace rows replayed (default 400: 13.5% of their blocks are a prefix seen before)
-#   ENGINES     vLLM engines (default 4), each with KV_TOKENS of KV cache (default 65536: enough to
+#   ENGINES     engines (default 4; RUNTIME=sglang for SGLang, vllm by default), each with KV_TOKENS of KV cache (default 65536: enough to
 #               keep a conversation's prefix until its next turn; with 8192 the caches turn over in
 #               seconds and no router can reuse more than the shared first block)
 #   TIME_SCALE  the trace's timestamps are divided by this (default 2: about 5.5 requests/s, more than
@@ -29,9 +31,15 @@ kv_tokens="${KV_TOKENS:-65536}"
 block="${BLOCK:-32}"
 max_prompt="${MAX_PROMPT:-3500}"
 max_output="${MAX_OUTPUT:-64}"
+runtime="${RUNTIME:-vllm}"
+case "$runtime" in
+  vllm) cached_metric=vllm:prefix_cache_hits_total; prompt_metric=vllm:prefix_cache_queries_total ;;
+  sglang) cached_metric=sglang:cached_tokens_total; prompt_metric=sglang:prompt_tokens_total ;;
+  *) echo "bench.sh: RUNTIME must be vllm or sglang, not $runtime" >&2; exit 2 ;;
+esac
 trace=../shared/data/traces/mooncake_conversation_trace.jsonl
 [ -f "$trace" ] || { echo "bench.sh: $trace is missing" >&2; exit 1; }
-work=target/real-engines/bench
+work=target/real-engines/bench-$runtime
 run_dir="$work/run"
 model="$PWD/target/real-engines/model"
 mkdir -p "$work"
@@ -84,7 +92,7 @@ trap stop_all EXIT
 start_fleet() {
   for i in $(seq 0 $((engines - 1))); do
     p=$(engine_port "$i")
-    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir"
+    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" "$runtime"
   done
   for i in $(seq 0 $((engines - 1))); do
     scripts/real-engines/engine.sh wait "e$i" "$(engine_port "$i")" 300 "$run_dir"
@@ -99,12 +107,12 @@ start_router() {
     urls+=("http://127.0.0.1:$p")
     # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
     # ~3k decode tokens/s at 16 streams.
-    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=vllm,kv_events=:$((p + 1)),replay=:$((p + 2)),prefill_tokens_per_s=20000,decode_tokens_per_s=3000")
+    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),prefill_tokens_per_s=20000,decode_tokens_per_s=3000")
   done
   case "$cfg" in
     kvgate-*)
-      # vLLM reports running requests, not their remaining output: assume half this slice's mean
-      # output (about 32 tokens) instead of the default 256.
+      # vLLM and SGLang report running requests, not their remaining output: assume half this
+      # slice's mean output (about 32 tokens) instead of the default 256.
       printf '[telemetry]\npoll_interval_ms = 200\nassumed_decode_tokens = 32\n' > "$work/kvgate.toml"
       "$kvgate" serve --config "$work/kvgate.toml" --host 127.0.0.1 --port "$router_port" --block-size 32 \
         --tokenizer "$model/tokenizer.json" --policy projected --mode "${cfg#kvgate-}" --admission-wait-s 0 \
@@ -129,16 +137,17 @@ start_router() {
 }
 
 fleet_cache() {
-  python3 - "$engines" "$base" <<'PY'
+  python3 - "$engines" "$base" "$cached_metric" "$prompt_metric" <<'PY'
 import sys, urllib.request
-n, base = int(sys.argv[1]), int(sys.argv[2])
+n, base, cached, prompt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 hits = queries = 0.0
 for i in range(n):
     text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics").read().decode()
     for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
+        # Series only (`name{labels} value` or `name value`), summed over their labels.
+        if line.startswith(cached + "{") or line.startswith(cached + " "):
             hits += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_queries_total"):
+        elif line.startswith(prompt + "{") or line.startswith(prompt + " "):
             queries += float(line.rsplit(" ", 1)[1])
 print(f"{hits:.0f} {queries:.0f}")
 PY
@@ -193,16 +202,16 @@ PY
   done
 done
 
-python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" <<'PY'
+python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" <<'PY'
 import json, statistics, sys
-path, rows, engines, scale, kv, block = sys.argv[1:7]
+path, rows, engines, scale, kv, block, runtime = sys.argv[1:8]
 runs = [json.loads(l) for l in open(path)]
 order = []
 for r in runs:
     if r["config"] not in order:
         order.append(r["config"])
 print(f"aiperf replaying {rows} Mooncake conversation rows (timestamps / {scale}, hash id = {block} tokens) on {engines} "
-      f"real vLLM engines ({kv} KV tokens each), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
+      f"real {runtime} engines ({kv} KV tokens each), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
 print("| router | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | req/s | output tok/s | errors | engine prefix-cache hit rate |")
 print("|---|---|---|---|---|---|---|---|")
 def mean(xs):

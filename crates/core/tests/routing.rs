@@ -151,6 +151,14 @@ fn a_running_batch_costs_its_share_of_each_step_and_a_full_one_a_slot() {
     let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
     let slot_wait = 76_800.0 / (256.0 * 2_000.0);
     assert!((w0.decode_s - (256.0 / 2_000.0 + slot_wait)).abs() < 1e-9, "{w0:?}");
+    router.release(d.request, T0).unwrap();
+    // The engine says it admits 2,048 (SGLang's max_running_requests): 256 running leave room, so
+    // the request rides one step and waits for no slot, whatever the configured limit.
+    let roomy = LoadSnapshot { max_running_requests: Some(2_048), ..busy(0, 0, 256, 76_800) };
+    router.update_load(&wid(0), roomy).unwrap();
+    let d = decide(&router, &Req::new(&router, 3, &prompt, 16), T0);
+    let w0 = d.scores.iter().find(|s| s.worker == wid(0)).unwrap();
+    assert!((w0.decode_s - 256.0 / 2_000.0).abs() < 1e-9, "no slot wait under the engine's own limit: {w0:?}");
 }
 
 /// The owner of a prefix that would win on cache, and an idle load-only winner.

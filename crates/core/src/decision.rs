@@ -5,7 +5,7 @@ use std::fmt;
 use serde::{Serialize, Serializer};
 
 use crate::ids::{RequestId, WorkerId};
-use crate::policy::{Mode, PolicyName};
+use crate::policy_name::{Mode, PolicyName};
 
 /// Why a worker's telemetry could not be trusted for cache credit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -64,7 +64,7 @@ pub enum Reason {
     /// `shadow`: dispatched as `off`, the enforce choice recorded beside it.
     Shadow,
     /// A baseline's own rule chose (`round_robin`, `random`, `power_of_two`); its name is the reason.
-    Baseline(crate::PolicyName),
+    Baseline(PolicyName),
 }
 
 impl Reason {

@@ -61,9 +61,6 @@ pub const CHUNK_TOKENS: Knob = Knob {
     meaning: "tokens one engine step computes (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size); a prefill takes one step per chunk, and every step carries the running batch",
 };
 
-/// Prefixes pinned by distribution seeding beyond which old pins are forgotten.
-pub const MAX_SEEDED_PREFIXES: usize = 1 << 16;
-
 /// A worker as configured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
@@ -582,17 +579,6 @@ impl Fleet {
         self.free_slots.push(slot);
         Ok((slot, dropped))
     }
-}
-
-/// Pins `prefix` to `owner` in `seeds` (cap one: an existing pin is kept).
-pub(crate) fn seed(seeds: &mut FxHashMap<BlockKey, WorkerSlot>, prefix: BlockKey, owner: WorkerSlot) {
-    if seeds.len() >= MAX_SEEDED_PREFIXES && !seeds.contains_key(&prefix) {
-        // Bounded memory: forget one pin (deterministically, the first in table order).
-        if let Some(&old) = seeds.keys().next() {
-            seeds.remove(&old);
-        }
-    }
-    seeds.entry(prefix).or_insert(owner);
 }
 
 #[cfg(test)]

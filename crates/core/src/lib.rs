@@ -9,7 +9,8 @@
 //!                                                        router: decide + reserve, atomically
 //! ```
 //!
-//! - [`ids`], [`time`]: newtype ids and the caller-supplied logical clock.
+//! - [`ids`], [`time`]: newtype ids and the caller-supplied logical clock. [`knob`], [`policy_name`]:
+//!   tunable numbers with their bounds, and the names of the policies and their modes.
 //! - [`hashing`]: the router's own chained block keys (XXH3-64).
 //! - [`index`]: the KV index built from exact `BlockStored`/`BlockRemoved`/`AllBlocksCleared` events.
 //! - [`load`], [`ledger`]: engine load reports, throughput estimates, and the reservation ledger
@@ -20,8 +21,12 @@
 //!   often each cached prefix is asked for, which the copies are weighed with.
 //! - [`decision`]: decision records and reasons.
 //! - [`router`]: the object that ties them together behind one lock per concern.
-//! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own;
-//!   [`outbox`]: when a replica publishes its changes (reservations at once, the rest batched).
+//! - [`replicas`]: reservations shared between gateway replicas, scored like the router's own (the
+//!   router applies them); [`outbox`]: when a replica publishes its changes (reservations at once,
+//!   the rest batched).
+//!
+//! Modules depend only downward (ids and time at the bottom, then decision records, policies,
+//! the fleet, and the router on top); `crates/kvgate/tests/module_layers.rs` checks it.
 //!
 //! Time enters as [`Timestamp`] arguments and randomness as an RNG argument, so the gateway, the
 //! simulator and the tests run exactly this code.
@@ -67,11 +72,13 @@ mod fleet;
 pub mod hashing;
 pub mod ids;
 pub mod index;
+pub mod knob;
 pub mod kv_stream;
 pub mod ledger;
 pub mod load;
 pub mod outbox;
 pub mod policy;
+pub mod policy_name;
 pub mod prefix_demand;
 pub mod replicas;
 pub mod router;

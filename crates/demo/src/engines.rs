@@ -41,7 +41,7 @@ impl RunEngines {
     /// Fresh mock engines, or the real fleet with every prefix cache emptied.
     pub async fn start(cfg: &DemoConfig, fleet: Option<Arc<Fleet>>) -> Result<RunEngines, String> {
         if let Some(fleet) = fleet {
-            for e in &fleet.engines {
+            for e in fleet.http_engines() {
                 let reset = e.spec.runtime.flush_cache_path();
                 // vLLM's dev-mode reset or SGLang's flush: the engine publishes AllBlocksCleared, as
                 // on a restart.
@@ -87,7 +87,7 @@ impl RunEngines {
     pub fn len(&self) -> usize {
         match self {
             RunEngines::Mock(e) => e.len(),
-            RunEngines::Real(f) => f.engines.len(),
+            RunEngines::Real(f) => f.http_engines().len(),
         }
     }
 
@@ -134,7 +134,7 @@ impl RunEngines {
                     kvgate_real_engines::fleet::BLOCK_SIZE,
                     tokenizer.display()
                 );
-                for (i, e) in fleet.engines.iter().enumerate() {
+                for (i, e) in fleet.http_engines().into_iter().enumerate() {
                     toml.push_str(&format!(
                         "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"{}\"\nkv_events = \":{}\"\nreplay = \":{}\"\nprefill_tokens_per_s = {REAL_PREFILL_TPS}\ndecode_tokens_per_s = {REAL_DECODE_TPS}\n",
                         e.url(),
@@ -160,7 +160,7 @@ impl RunEngines {
                 .collect()),
             RunEngines::Real(fleet) => {
                 let mut out = Vec::new();
-                for e in &fleet.engines {
+                for e in fleet.http_engines() {
                     let (url, runtime) = (e.url(), e.spec.runtime);
                     let m = |name: &'static str| engine_metric(&url, name);
                     let read = async {
@@ -183,7 +183,7 @@ impl RunEngines {
             RunEngines::Mock(engines) => engines.iter().map(|e| e.shared.load.lock().waiting_requests as u32).collect(),
             RunEngines::Real(fleet) => {
                 let mut out = Vec::new();
-                for e in &fleet.engines {
+                for e in fleet.http_engines() {
                     out.push(engine_metric(&e.url(), e.spec.runtime.waiting_metric()).await.unwrap_or(0.0) as u32);
                 }
                 out
@@ -224,7 +224,7 @@ impl RunEngines {
     pub fn peak_waiting(&self, sampled: &[(f64, Vec<u32>)]) -> Vec<u64> {
         match self {
             RunEngines::Mock(engines) => engines.iter().map(|e| e.shared.max_waiting.load(Ordering::Relaxed)).collect(),
-            RunEngines::Real(fleet) => (0..fleet.engines.len())
+            RunEngines::Real(fleet) => (0..fleet.http_engines().len())
                 .map(|i| sampled.iter().filter_map(|(_, d)| d.get(i)).copied().max().unwrap_or(0) as u64)
                 .collect(),
         }

@@ -294,7 +294,7 @@ pub async fn run_one_on(
     let cached: u64 = after.iter().zip(&before).map(|(a, b)| a.cached_tokens.saturating_sub(b.cached_tokens)).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let shadow = log.iter().filter(|d| d.mode == kvgate_core::Mode::Shadow).count() as u64;
-    let streams: Vec<kvgate_gateway::kv_events::StreamView> =
+    let streams: Vec<kvgate_gateway::registry::StreamView> =
         state.engines.read().values().map(|e| e.stream.view()).collect();
     let rates: BTreeMap<String, (f64, f64)> = state
         .router

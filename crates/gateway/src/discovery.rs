@@ -15,24 +15,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_core::WorkerId;
-use serde::Serialize;
 
 use crate::config::WorkerSpec;
 use crate::engines;
-use crate::state::AppState;
-
-/// What the last reread found, for `GET /admin/discovery`.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct DiscoveryStatus {
-    /// The watched file.
-    pub path: Option<String>,
-    /// Rereads so far (each one that found the content changed, or was asked for).
-    pub reloads: u64,
-    /// Engines the file manages now.
-    pub workers: Vec<String>,
-    /// Entries (or the whole file) that could not be used, and why.
-    pub errors: Vec<String>,
-}
+use crate::state::{AppState, DiscoveryStatus};
 
 /// The entries of a workers file, each parsed on its own: the specs that are usable, and a message
 /// per entry that is not.

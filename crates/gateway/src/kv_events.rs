@@ -12,7 +12,7 @@
 //! under-report). An undecodable message is counted and marks the worker `invalid` with the reason;
 //! the next restart or full replay makes it usable again. Nothing here can panic the gateway.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,10 +22,8 @@ use kvgate_core::{KvState, WorkerId};
 use kvgate_protocol::kv_wire::{decode_live, decode_replay, replay_request, ReplayMessage};
 use kvgate_protocol::{KvEvent, KvEventBatch};
 use kvgate_zmtp::{Limits, SubSocket, ZmtpError};
-use serde::Serialize;
 
-use crate::registry::EngineContext;
-use crate::registry::EngineHandle;
+use crate::registry::{EngineContext, EngineHandle, StreamStats};
 
 /// How long a replay may take before the gap is treated as lost history.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -38,87 +36,6 @@ pub const IDLE_CATCH_UP: Duration = Duration::from_secs(2);
 pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest wait between reconnect attempts.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
-
-/// Counters of one engine's event stream.
-#[derive(Debug, Default)]
-pub struct StreamStats {
-    /// Last sequence number applied (`u64::MAX`: none yet).
-    pub last_seq: AtomicU64,
-    /// Batches applied.
-    pub batches: AtomicU64,
-    /// Events applied.
-    pub events: AtomicU64,
-    /// Gaps seen (each triggers a replay).
-    pub gaps: AtomicU64,
-    /// Replays requested.
-    pub replays: AtomicU64,
-    /// Replays that could not return the history asked for.
-    pub history_lost: AtomicU64,
-    /// Restarts detected.
-    pub restarts: AtomicU64,
-    /// The sequence number this subscriber joined the stream at, when it joined after the engine
-    /// had published and no replay socket could supply the batches before (`u64::MAX`: it did not):
-    /// blocks stored before then are unknown, so credit can only be under-reported.
-    pub joined_at_seq: AtomicU64,
-    /// Messages or events that could not be decoded.
-    pub decode_errors: AtomicU64,
-    /// Connection attempts that failed.
-    pub connect_failures: AtomicU64,
-}
-
-/// A snapshot of [`StreamStats`] for the admin API.
-#[derive(Debug, Clone, Serialize)]
-pub struct StreamView {
-    /// Last sequence number applied.
-    pub last_seq: Option<u64>,
-    /// Batches applied.
-    pub batches: u64,
-    /// Events applied.
-    pub events: u64,
-    /// Gaps seen.
-    pub gaps: u64,
-    /// Replays requested.
-    pub replays: u64,
-    /// Replays that lost history.
-    pub history_lost: u64,
-    /// Restarts detected.
-    pub restarts: u64,
-    /// See [`StreamStats::joined_at_seq`].
-    pub joined_at_seq: Option<u64>,
-    /// Undecodable messages or events.
-    pub decode_errors: u64,
-    /// Failed connection attempts.
-    pub connect_failures: u64,
-}
-
-impl StreamStats {
-    /// Fresh counters.
-    pub fn new() -> Self {
-        let s = StreamStats::default();
-        s.last_seq.store(u64::MAX, Ordering::Relaxed);
-        s.joined_at_seq.store(u64::MAX, Ordering::Relaxed);
-        s
-    }
-
-    /// The counters now.
-    pub fn view(&self) -> StreamView {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let last = g(&self.last_seq);
-        let joined = g(&self.joined_at_seq);
-        StreamView {
-            last_seq: (last != u64::MAX).then_some(last),
-            batches: g(&self.batches),
-            events: g(&self.events),
-            gaps: g(&self.gaps),
-            replays: g(&self.replays),
-            history_lost: g(&self.history_lost),
-            restarts: g(&self.restarts),
-            joined_at_seq: (joined != u64::MAX).then_some(joined),
-            decode_errors: g(&self.decode_errors),
-            connect_failures: g(&self.connect_failures),
-        }
-    }
-}
 
 /// Where one engine publishes.
 #[derive(Debug, Clone)]

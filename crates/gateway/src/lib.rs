@@ -5,8 +5,9 @@
 //! ```text
 //! server: accept under max_connections ─► hyper http1 with a header timeout ─► graceful drain
 //! client ─► api (auth, body limit and timeout, JSON, validation) ─► request::parse (render + tokenize)
-//!        ─► proxy: place (decide+reserve, admit, queue) ─► send (retry on another engine while the
-//!           client has seen nothing) ─► respond (streamed chunk by chunk with an idle timeout)
+//!        ─► proxy: place (decide+reserve, admit, queue) ─► the engine's backend: send (retry on
+//!           another engine while the client has seen nothing) ─► respond (streamed chunk by chunk
+//!           with an idle timeout)
 //!        ◄─ first byte moves the reservation to decode; end, error or client disconnect releases it
 //! replicas: reservations shared with the other gateway replicas over NATS (replicas/)
 //! engines: two background tasks each (engines.rs): /health with a circuit breaker, load polling
@@ -15,7 +16,9 @@
 //! ```
 //!
 //! - [`config`]: TOML + overrides, validated. [`error`]: the one error-to-status mapping.
-//! - [`state`]: shared state. [`metrics`]: `kvgate_*` Prometheus metrics. [`clock`]: the one place the
+//! - [`registry`]: engine handles and the narrow context their background tasks get; [`state`]:
+//!   shared state, composed above everything the tasks and handlers use (modules depend only
+//!   downward). [`metrics`]: `kvgate_*` Prometheus metrics. [`clock`]: the one place the
 //!   wall clock is read. [`tokenize`]: built-in and HuggingFace tokenizers with chat templates.
 //!
 //! [`serve`] runs the server on a listener until a shutdown future resolves, then drains in-flight
@@ -29,6 +32,7 @@ pub mod config;
 pub mod discovery;
 pub mod engines;
 pub mod error;
+pub mod grpc_worker;
 pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
@@ -37,6 +41,7 @@ pub mod replicas;
 mod server;
 pub mod state;
 pub mod tokenize;
+pub mod worker_tokenizer;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -75,10 +80,10 @@ pub async fn serve(
     engines::start_all(&state.engine_context());
     let watcher = state.config.workers_file.clone().map(|path| {
         *state.discovery.lock() =
-            discovery::DiscoveryStatus { path: Some(path.display().to_string()), ..Default::default() };
+            state::DiscoveryStatus { path: Some(path.display().to_string()), ..Default::default() };
         tokio::spawn(discovery::run(state.clone(), path, state.config.workers_file_poll))
     });
-    let sharing = replicas::start(&state);
+    let sharing = replicas::start(&state.sharing_context());
     let app = api::routes(state.clone());
     let served = server::run(listener, &state, app, shutdown).await;
     if let Some(w) = watcher {

@@ -7,7 +7,7 @@
 //! and `state` only composes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +16,10 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use serde::Serialize;
 use tokio::sync::Notify;
 
-use crate::api::request::Endpoint;
 use crate::clock::Clock;
 use crate::config::{EngineKind, GatewayConfig, Limits, WorkerSpec};
 use crate::metrics::Metrics;
+use kvgate_tokenizer::request::Endpoint;
 
 /// Passive health: what the engine's answers to real requests say (Envoy's outlier detection).
 #[derive(Debug, Default, Clone, Copy)]
@@ -39,6 +39,9 @@ pub(crate) struct Identity {
     pub(crate) block_size: Option<u32>,
     pub(crate) capacity_tokens: Option<u64>,
     pub(crate) max_running_requests: Option<u64>,
+    /// The longest sequence (prompt and output) its model takes, where it says (a gRPC worker's
+    /// `GetModelInfo`).
+    pub(crate) max_context_tokens: Option<u64>,
 }
 
 /// What the gateway knows about one engine besides the core's view.
@@ -66,7 +69,7 @@ pub struct EngineHandle {
     /// Models the engine reports.
     pub models: Mutex<Vec<String>>,
     /// Counters of the engine's KV event stream.
-    pub stream: Arc<crate::kv_events::StreamStats>,
+    pub stream: Arc<StreamStats>,
     /// Bumped whenever the KV view must be rebuilt from scratch; the subscribers watch it.
     pub resync: tokio::sync::watch::Sender<u64>,
     /// Why the engine's KV events can't be used at all (a block-size mismatch), if they can't.
@@ -82,6 +85,11 @@ pub struct EngineHandle {
     pub metrics: crate::metrics::EngineMetrics,
     pub(crate) identity: Mutex<Identity>,
     pub(crate) outlier: Mutex<Outlier>,
+    /// The gRPC worker behind a `grpc://` URL (`None`: an HTTP engine).
+    pub grpc: Option<crate::grpc_worker::GrpcWorker>,
+    /// Why the gRPC worker refused its KV event stream (it has no publisher to relay), if it did:
+    /// the worker is then routed on load alone until it comes back into rotation.
+    pub grpc_events_refused: Mutex<Option<String>>,
     /// The engine's URL of each inference route, parsed once.
     routes: Vec<(Endpoint, reqwest::Url)>,
     pub(crate) tasks: Mutex<Vec<tokio::task::AbortHandle>>,
@@ -124,13 +132,20 @@ pub struct EngineView {
     /// Last KV-event sequence number applied.
     pub last_event_seq: Option<u64>,
     /// The KV event stream's counters (absent without a `kv_events` endpoint).
-    pub kv_events: Option<crate::kv_events::StreamView>,
+    pub kv_events: Option<StreamView>,
 }
 
 impl EngineHandle {
-    /// A handle for a freshly registered engine (in rotation until proven otherwise).
-    pub fn new(id: WorkerId, spec: WorkerSpec, metrics: crate::metrics::EngineMetrics) -> Self {
+    /// A handle for a freshly registered engine (in rotation until proven otherwise);
+    /// `connect_timeout` bounds a gRPC worker's connection attempts.
+    pub fn new(
+        id: WorkerId,
+        spec: WorkerSpec,
+        metrics: crate::metrics::EngineMetrics,
+        connect_timeout: std::time::Duration,
+    ) -> Self {
         let base = spec.url.trim_end_matches('/').to_owned();
+        let grpc = spec.grpc_worker(connect_timeout);
         let routes = Endpoint::ALL
             .iter()
             .filter_map(|e| reqwest::Url::parse(&format!("{base}{}", e.path())).ok().map(|u| (*e, u)))
@@ -140,6 +155,7 @@ impl EngineHandle {
             base,
             metrics,
             routes,
+            grpc,
             spec,
             failures: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
@@ -147,10 +163,11 @@ impl EngineHandle {
             telemetry: Mutex::new(None),
             telemetry_error: Mutex::new(None),
             models: Mutex::new(Vec::new()),
-            stream: Arc::new(crate::kv_events::StreamStats::new()),
+            stream: Arc::new(StreamStats::new()),
             resync: tokio::sync::watch::Sender::new(0),
             config_problem: Mutex::new(None),
             discovered: Mutex::new(None),
+            grpc_events_refused: Mutex::new(None),
             server_info_read: AtomicBool::new(false),
             identity: Mutex::new(Identity::default()),
             outlier: Mutex::new(Outlier::default()),
@@ -188,9 +205,17 @@ impl EngineHandle {
         self.discovered.lock().clone().flatten()
     }
 
-    /// Whether it has a KV event stream (configured or announced).
+    /// Whether it has a KV event stream (configured, announced, or its gRPC worker's own).
     pub fn has_kv_events(&self) -> bool {
-        self.spec.kv_events.is_some() || matches!(*self.discovered.lock(), Some(Some(_)))
+        self.spec.kv_events.is_some()
+            || matches!(*self.discovered.lock(), Some(Some(_)))
+            || (self.subscribes_over_grpc() && self.grpc_events_refused.lock().is_none())
+    }
+
+    /// Whether its KV events come from its gRPC worker's own stream (`SubscribeKvEvents`): a gRPC
+    /// worker without a configured ZMQ `kv_events` endpoint, unless `discover_kv_events = false`.
+    pub fn subscribes_over_grpc(&self) -> bool {
+        self.grpc.is_some() && self.spec.kv_events.is_none() && self.spec.discover_kv_events != Some(false)
     }
 
     /// Whether it is (or reports like) an SGLang engine, which describes itself in `/server_info`.
@@ -202,12 +227,14 @@ impl EngineHandle {
     /// Whether its `GET /server_info` should be read now: to learn where it publishes KV events,
     /// or, for an SGLang engine, its page size and capacity since it last came into rotation.
     pub fn wants_server_info(&self) -> bool {
-        self.wants_kv_discovery() || (self.is_sglang() && !self.server_info_read.load(Ordering::Relaxed))
+        self.grpc.is_none()
+            && (self.wants_kv_discovery() || (self.is_sglang() && !self.server_info_read.load(Ordering::Relaxed)))
     }
 
     /// Whether its `GET /server_info` should still be asked where it publishes KV events.
     pub fn wants_kv_discovery(&self) -> bool {
-        self.spec.kv_events.is_none()
+        self.grpc.is_none()
+            && self.spec.kv_events.is_none()
             && self.spec.discover_kv_events.unwrap_or(self.spec.engine != EngineKind::Vllm)
             && self.discovered.lock().is_none()
     }
@@ -237,6 +264,104 @@ impl EngineHandle {
             router: ctx.router.worker_status(&self.id, ctx.clock.now()).ok(),
             last_event_seq: self.stream.view().last_seq,
             kv_events: self.has_kv_events().then(|| self.stream.view()),
+        }
+    }
+}
+
+/// Counters of one engine's event stream.
+#[derive(Debug, Default)]
+pub struct StreamStats {
+    /// Last sequence number applied (`u64::MAX`: none yet).
+    pub last_seq: AtomicU64,
+    /// Batches applied.
+    pub batches: AtomicU64,
+    /// Events applied.
+    pub events: AtomicU64,
+    /// Gaps seen (each triggers a replay).
+    pub gaps: AtomicU64,
+    /// Replays requested.
+    pub replays: AtomicU64,
+    /// Replays that could not return the history asked for.
+    pub history_lost: AtomicU64,
+    /// Restarts detected.
+    pub restarts: AtomicU64,
+    /// The sequence number this subscriber joined the stream at, when it joined after the engine
+    /// had published and no replay socket could supply the batches before (`u64::MAX`: it did not):
+    /// blocks stored before then are unknown, so credit can only be under-reported.
+    pub joined_at_seq: AtomicU64,
+    /// Messages or events that could not be decoded.
+    pub decode_errors: AtomicU64,
+    /// Connection attempts that failed.
+    pub connect_failures: AtomicU64,
+    /// Times a gRPC worker's event stream (`SubscribeKvEvents`) was opened again after it was lost:
+    /// each new subscription starts from an empty view, as the protocol keeps no history.
+    pub resubscribes: AtomicU64,
+    /// Load records the worker pushed on its gRPC event stream and the gateway took.
+    pub loads_pushed: AtomicU64,
+    /// The events come over the worker's gRPC stream, not a ZMQ publisher.
+    pub over_grpc: AtomicBool,
+}
+
+/// A snapshot of [`StreamStats`] for the admin API.
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamView {
+    /// Last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Batches applied.
+    pub batches: u64,
+    /// Events applied.
+    pub events: u64,
+    /// Gaps seen.
+    pub gaps: u64,
+    /// Replays requested.
+    pub replays: u64,
+    /// Replays that lost history.
+    pub history_lost: u64,
+    /// Restarts detected.
+    pub restarts: u64,
+    /// See [`StreamStats::joined_at_seq`].
+    pub joined_at_seq: Option<u64>,
+    /// Undecodable messages or events.
+    pub decode_errors: u64,
+    /// Failed connection attempts.
+    pub connect_failures: u64,
+    /// Where the events come from: `zmq` (the engine's publisher) or `grpc` (the worker's
+    /// `SubscribeKvEvents`).
+    pub transport: &'static str,
+    /// See [`StreamStats::resubscribes`].
+    pub resubscribes: u64,
+    /// See [`StreamStats::loads_pushed`].
+    pub loads_pushed: u64,
+}
+
+impl StreamStats {
+    /// Fresh counters.
+    pub fn new() -> Self {
+        let s = StreamStats::default();
+        s.last_seq.store(u64::MAX, Ordering::Relaxed);
+        s.joined_at_seq.store(u64::MAX, Ordering::Relaxed);
+        s
+    }
+
+    /// The counters now.
+    pub fn view(&self) -> StreamView {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let last = g(&self.last_seq);
+        let joined = g(&self.joined_at_seq);
+        StreamView {
+            last_seq: (last != u64::MAX).then_some(last),
+            batches: g(&self.batches),
+            events: g(&self.events),
+            gaps: g(&self.gaps),
+            replays: g(&self.replays),
+            history_lost: g(&self.history_lost),
+            restarts: g(&self.restarts),
+            joined_at_seq: (joined != u64::MAX).then_some(joined),
+            decode_errors: g(&self.decode_errors),
+            connect_failures: g(&self.connect_failures),
+            transport: if self.over_grpc.load(Ordering::Relaxed) { "grpc" } else { "zmq" },
+            resubscribes: g(&self.resubscribes),
+            loads_pushed: g(&self.loads_pushed),
         }
     }
 }

@@ -13,9 +13,9 @@ use serde::Serialize;
 
 use crate::clock::Clock;
 use crate::config::{GatewayConfig, WorkerSpec};
-use crate::engines::EngineHandle;
 use crate::metrics::Metrics;
-use crate::registry::{EngineContext, EngineRegistry, EngineSettings};
+use crate::registry::{EngineContext, EngineHandle, EngineRegistry, EngineSettings};
+use crate::replicas::{Replicas, SharingContext};
 use crate::tokenize::PromptTokenizer;
 use crate::GatewayError;
 
@@ -28,6 +28,20 @@ pub struct LoggedDecision {
     pub endpoint: &'static str,
     /// The decision record (shadow counterfactuals included).
     pub decision: Decision,
+}
+
+/// What the last reread of the workers file found, for `GET /admin/discovery` (see
+/// [`crate::discovery`]).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DiscoveryStatus {
+    /// The watched file.
+    pub path: Option<String>,
+    /// Rereads so far (each one that found the content changed, or was asked for).
+    pub reloads: u64,
+    /// Engines the file manages now.
+    pub workers: Vec<String>,
+    /// Entries (or the whole file) that could not be used, and why.
+    pub errors: Vec<String>,
 }
 
 /// Settings that can change at runtime besides the policy.
@@ -69,11 +83,11 @@ pub struct AppState {
     /// Tie-breaking randomness.
     pub rng: Mutex<ChaCha8Rng>,
     /// What the workers file's last reread found.
-    pub discovery: Mutex<crate::discovery::DiscoveryStatus>,
+    pub discovery: Mutex<DiscoveryStatus>,
     /// Notified to reread the workers file at once (SIGHUP, `POST /admin/discovery/reload`).
     pub discovery_reload: Arc<tokio::sync::Notify>,
     /// Reservation sharing with the other replicas.
-    pub replicas: crate::replicas::Replicas,
+    pub replicas: Arc<Replicas>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -83,7 +97,7 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// Builds the state (no background tasks yet; [`crate::engines::start`] runs them).
+    /// Builds the state (no background tasks yet: [`crate::serve`] starts them).
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
         let router =
             Router::new(config.block_size, config.policy.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
@@ -107,7 +121,7 @@ impl AppState {
             .map_err(|e| GatewayError::Config(format!("http client: {e}")))?;
         let clock = Clock::start();
         let metrics = Arc::new(Metrics::new());
-        let replicas = crate::replicas::Replicas::new(config.replicas.clone(), metrics.replicas.clone());
+        let replicas = Arc::new(Replicas::new(config.replicas.clone(), metrics.replicas.clone()));
         let seed = crate::clock::entropy();
         let state = Arc::new(AppState {
             runtime: RwLock::new(Runtime { admission_wait_s: config.admission_wait_s }),
@@ -124,7 +138,7 @@ impl AppState {
             capacity: Arc::new(tokio::sync::Notify::new()),
             body_budget: Arc::new(tokio::sync::Semaphore::new(config.limits.max_buffered_body_bytes.div_ceil(1024))),
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
-            discovery: Mutex::new(crate::discovery::DiscoveryStatus::default()),
+            discovery: Mutex::new(DiscoveryStatus::default()),
             discovery_reload: Arc::new(tokio::sync::Notify::new()),
             config,
         });
@@ -137,6 +151,14 @@ impl AppState {
     /// Registers an engine (the caller starts its background task).
     pub fn add_engine(&self, spec: &WorkerSpec) -> Result<Arc<EngineHandle>, GatewayError> {
         spec.validate()?;
+        if spec.is_grpc() && self.tokenizer.detokenizer(&[], true).is_none() {
+            return Err(GatewayError::Config(format!(
+                "worker {}: a gRPC worker answers with token ids, which the {} tokenizer cannot turn back into \
+                 text: give the model's tokenizer (--tokenizer DIR or `tokenizer` in the configuration)",
+                spec.id(),
+                self.tokenizer.describe()
+            )));
+        }
         let id = WorkerId::new(spec.id());
         let mut wc = WorkerConfig::new(id.clone());
         wc.prefill_tokens_per_s = spec.prefill_tokens_per_s.unwrap_or(wc.prefill_tokens_per_s);
@@ -151,7 +173,9 @@ impl AppState {
                 "engine block_size {b} differs from the gateway's block_size {}",
                 self.config.block_size
             )),
-            _ if spec.kv_events.is_some() => KvState::Incomplete("KV event stream not connected yet".into()),
+            _ if spec.kv_events.is_some() || (spec.is_grpc() && spec.discover_kv_events != Some(false)) => {
+                KvState::Incomplete("KV event stream not connected yet".into())
+            }
             _ => KvState::Synced,
         };
         self.router.add_worker(wc, state).map_err(|e| match e {
@@ -160,7 +184,12 @@ impl AppState {
             }
             other => GatewayError::Config(other.to_string()),
         })?;
-        let handle = Arc::new(EngineHandle::new(id.clone(), spec.clone(), self.metrics.for_engine(id.as_str())));
+        let handle = Arc::new(EngineHandle::new(
+            id.clone(),
+            spec.clone(),
+            self.metrics.for_engine(id.as_str()),
+            self.config.connect_timeout,
+        ));
         self.engines.insert(handle.clone());
         Ok(handle)
     }
@@ -188,6 +217,16 @@ impl AppState {
             registry: self.engines.clone(),
             capacity: self.capacity.clone(),
             settings: EngineSettings::from_config(&self.config),
+        }
+    }
+
+    /// What the replica-sharing task is given.
+    pub fn sharing_context(&self) -> SharingContext {
+        SharingContext {
+            router: self.router.clone(),
+            clock: self.clock,
+            replicas: self.replicas.clone(),
+            capacity: self.capacity.clone(),
         }
     }
 

@@ -494,7 +494,7 @@ fn connect_failures(s: &kvgate_gateway::AppState) -> u64 {
     s.engines.read().values().map(|e| e.stream.view().connect_failures).sum()
 }
 
-fn stream_of(s: &kvgate_gateway::AppState) -> kvgate_gateway::kv_events::StreamView {
+fn stream_of(s: &kvgate_gateway::AppState) -> kvgate_gateway::registry::StreamView {
     s.engines.read().values().next().unwrap().stream.view()
 }
 

@@ -63,14 +63,15 @@ enum Command {
 
 fn main() -> ExitCode {
     // SMG's flags are refused with what to use instead, before clap calls them unknown.
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("serve") {
         if let Err(err) = smg::check(&args[2..]) {
             eprintln!("kvgate: {err:#}");
             return ExitCode::from(2);
         }
+        args = smg::translate(args);
     }
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

@@ -88,7 +88,7 @@ fn raise_fd_limit(max_connections: usize) {
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let format = if a.log_json { LogFormat::Json } else { a.log_format };
     init_logging(format, &a.log)?;
-    let config = GatewayConfig::load(a.config.as_deref(), a.settings)?;
+    let mut config = GatewayConfig::load(a.config.as_deref(), a.settings)?;
     raise_fd_limit(config.limits.max_connections);
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
@@ -97,6 +97,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         let listener =
             tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
+        // SMG's gRPC mode takes the model's tokenizer from its workers; so does kvgate when none is
+        // configured.
+        let cache = kvgate_gateway::worker_tokenizer::cache_root();
+        kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, kvgate_gateway::worker_tokenizer::FETCH_WAIT)
+            .await?;
         let state = AppState::new(config)?;
         #[cfg(unix)]
         {

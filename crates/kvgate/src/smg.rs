@@ -12,7 +12,7 @@ const MEDIA: &str =
 const HISTORY: &str =
     "kvgate stores no conversations, responses or hooks: /v1/responses goes to the engine, which keeps its own store";
 const PARSERS: &str = "kvgate passes responses through as the engine wrote them: reasoning and tool-call parsing is the engine's (vLLM's --reasoning-parser and --tool-call-parser)";
-const TRANSPORT: &str = "kvgate speaks HTTP to engines (the OpenAI routes and SGLang's /generate); gRPC and ZMQ workers are not supported, and every model the engines report is served without a separate mode";
+const TRANSPORT: &str = "kvgate picks each worker's protocol from its URL: http(s):// for an OpenAI server, grpc:// for SMG's gRPC worker protocol (vLLM or SGLang, from the service it serves or engine=); ZMQ workers are not supported, and every model the engines report is served without a separate mode";
 const TREE: &str = "kvgate credits cache from the engines' own KV events, not from an approximate prefix tree or a placement map: use the projected policy's --escape-seconds and --escape-waiting, or cache_aware's --balance-abs and --balance-rel (docs/routing.md)";
 const PREFIX_HASH: &str =
     "kvgate has no prefix_hash policy: --policy projected follows the prefix through the engines' KV events";
@@ -33,7 +33,7 @@ const CONTROL_AUTH: &str =
 const METRICS: &str = "kvgate serves /metrics on its own --host and --port, with fixed buckets";
 const OBSERVABILITY: &str = "kvgate logs to stderr (--log-format json for JSON), sets x-kvgate-request-id on answers and x-request-id towards engines, and has no tracing export, log files or heap profiles";
 const CONTROL_PLANE: &str = "kvgate applies worker changes at once (no job queue), runs replicas independently (no mesh), and has no RL control plane or CORS";
-const TOKENIZER: &str = "kvgate reads a local tokenizer only: --tokenizer DIR (the model's directory holding tokenizer.json) or --tokenizer FILE; no hub downloads, no tokenizer cache; without --tokenizer the built-in tokenizer is used";
+const TOKENIZER: &str = "kvgate reads a local tokenizer only: --tokenizer DIR (the model's directory holding tokenizer.json) or --tokenizer FILE; no hub downloads, no tokenizer cache; without --tokenizer, gRPC workers hand over their own (GetTokenizer) and HTTP engines get the built-in tokenizer";
 
 /// SMG `launch` flags with no kvgate equivalent, and why (or what to use instead).
 pub const REFUSED: &[(&str, &str)] = &[
@@ -225,7 +225,6 @@ pub const REFUSED: &[(&str, &str)] = &[
     ("--mesh-tls-cert", CONTROL_PLANE),
     ("--mesh-tls-key", CONTROL_PLANE),
     ("--cors-allowed-origins", CONTROL_PLANE),
-    ("--model-path", TOKENIZER),
     ("--model", TOKENIZER),
     ("--disable-tokenizer-autoload", TOKENIZER),
     ("--tokenizer-cache-enable-l0", TOKENIZER),
@@ -258,7 +257,35 @@ pub const ACCEPTED: &[&str] = &[
     "--block-size",
     "--chat-template",
     "--tokenizer-path",
+    "--model-path",
 ];
+
+/// SMG's `--model-path DIR`, which SMG's gRPC mode is launched with (the model's directory, where it
+/// reads the tokenizer): kvgate reads the tokenizer from it too (`--tokenizer DIR`), unless the line
+/// names the tokenizer itself (`--tokenizer-path`, as SMG's gRPC launch lines also do), which wins.
+pub fn translate(args: Vec<String>) -> Vec<String> {
+    let names_tokenizer = args.iter().any(|a| {
+        let flag = a.split('=').next().unwrap_or(a);
+        matches!(flag, "--tokenizer" | "--tokenizer-path")
+    });
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        let value = if arg == "--model-path" {
+            it.next()
+        } else if let Some(v) = arg.strip_prefix("--model-path=") {
+            Some(v.to_owned())
+        } else {
+            out.push(arg);
+            continue;
+        };
+        if let (Some(v), false) = (value, names_tokenizer) {
+            out.push("--tokenizer".into());
+            out.push(v);
+        }
+    }
+    out
+}
 
 /// Refuses the first SMG-only flag among `args` (`--flag` or `--flag=value`), naming what to use.
 pub fn check(args: &[String]) -> anyhow::Result<()> {
@@ -302,6 +329,7 @@ mod tests {
             "--block-size" => "16",
             "--chat-template" => "template.jinja",
             "--tokenizer-path" => "/models/m",
+            "--model-path" => "/models/m",
             other => panic!("no sample value for {other}"),
         })
     }
@@ -316,12 +344,27 @@ mod tests {
             if refused {
                 continue;
             }
-            let mut args = vec!["kvgate", "serve", flag];
-            args.extend(sample(flag));
-            if let Err(e) = crate::Cli::try_parse_from(&args) {
+            let mut args: Vec<String> = vec!["kvgate".into(), "serve".into(), flag.into()];
+            args.extend(sample(flag).map(str::to_owned));
+            if let Err(e) = crate::Cli::try_parse_from(translate(args)) {
                 panic!("kvgate serve does not take {flag}: {e}");
             }
         }
+    }
+
+    #[test]
+    fn smgs_model_path_names_the_tokenizer_unless_the_line_names_it_itself() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            translate(args(&["--model-path", "/m", "--port", "1"])),
+            args(&["--tokenizer", "/m", "--port", "1"])
+        );
+        assert_eq!(translate(args(&["--model-path=/m"])), args(&["--tokenizer", "/m"]));
+        // SMG's gRPC launch line gives both: the tokenizer path wins, the model path goes.
+        let grpc_line = args(&["--worker-urls", "grpc://h:1", "--model-path", "/m", "--tokenizer-path", "/t"]);
+        assert_eq!(translate(grpc_line), args(&["--worker-urls", "grpc://h:1", "--tokenizer-path", "/t"]));
+        let parsed = crate::Cli::try_parse_from(translate(args(&["kvgate", "serve", "--model-path", "/m"])));
+        assert!(parsed.is_ok(), "{parsed:?}");
     }
 
     #[test]

@@ -157,17 +157,25 @@ pub struct EngineSpec {
     pub kv_role: KvRole,
     /// KV cache size in bytes (512 bytes a token for the tiny model).
     pub kv_bytes: u64,
+    /// Served as a gRPC worker (SMG's worker protocol) instead of the engine's OpenAI HTTP server.
+    pub grpc: bool,
 }
 
 impl EngineSpec {
     /// A vLLM engine that binds its KV-event socket.
     pub fn new(name: &str, kv_bytes: u64) -> Self {
-        EngineSpec { name: name.into(), runtime: Runtime::Vllm, kv_role: KvRole::EngineBinds, kv_bytes }
+        EngineSpec { name: name.into(), runtime: Runtime::Vllm, kv_role: KvRole::EngineBinds, kv_bytes, grpc: false }
     }
 
     /// The same engine run by `runtime`.
     pub fn on(mut self, runtime: Runtime) -> Self {
         self.runtime = runtime;
+        self
+    }
+
+    /// The same engine served as a gRPC worker (`grpc://`), with no HTTP server.
+    pub fn grpc(mut self) -> Self {
+        self.grpc = true;
         self
     }
 
@@ -289,16 +297,17 @@ impl Engine {
     }
 
     /// This engine as a kvgate `--worker`: URL, id, KV-event and replay endpoints, and which side
-    /// binds.
+    /// binds. A gRPC worker is given as an SMG user gives it, by URL alone: its KV events come over
+    /// its own `SubscribeKvEvents` stream, which its servicer relays from the engine's publisher.
     pub fn worker_flag(&self) -> String {
+        if self.spec.grpc {
+            return format!("grpc://127.0.0.1:{},id={},engine={}", self.port, self.spec.name, self.spec.runtime);
+        }
         let bind = if self.spec.kv_role == KvRole::EngineConnects { ",kv_events_bind=true" } else { "" };
+        let url = self.url();
         format!(
-            "{},id={},engine={},kv_events=:{}{bind},replay=:{}",
-            self.url(),
-            self.spec.name,
-            self.spec.runtime,
-            self.kv_port,
-            self.replay_port
+            "{url},id={},engine={},kv_events=:{}{bind},replay=:{}",
+            self.spec.name, self.spec.runtime, self.kv_port, self.replay_port
         )
     }
 
@@ -318,10 +327,12 @@ impl Engine {
             &self.spec.kv_bytes.to_string(),
             &self.run_dir.to_string_lossy(),
             self.spec.runtime.name(),
+            if self.spec.grpc { "grpc" } else { "http" },
         ])
     }
 
-    /// Waits until the engine serves `/v1/models`, failing early with its log if it exits.
+    /// Waits until the engine serves `/v1/models` (a gRPC worker: until its gRPC health service says
+    /// SERVING), failing early with its log if it exits.
     pub fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
         run_script(&[
             "wait",
@@ -410,6 +421,11 @@ impl Fleet {
             }
         }
         Ok(fleet)
+    }
+
+    /// The engines that serve their own OpenAI HTTP server (all but the gRPC workers).
+    pub fn http_engines(&self) -> Vec<&Engine> {
+        self.engines.iter().filter(|e| !e.spec.grpc).collect()
     }
 
     /// The engine named `name`.

@@ -41,7 +41,11 @@ impl Gateway {
         std::fs::create_dir_all(&dir)?;
         let path = dir.join("gateway.toml");
         std::fs::write(&path, toml)?;
-        let config = GatewayConfig::load(Some(&path), overrides)?;
+        let mut config = GatewayConfig::load(Some(&path), overrides)?;
+        // Without a tokenizer, one of the gRPC workers hands over its own, as `kvgate serve` takes it
+        // (a cache of this process's own, so each run downloads it).
+        let cache = dir.join("tokenizer-cache");
+        kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, Duration::from_secs(60)).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
         let state = AppState::new(config)?;

@@ -8,6 +8,8 @@
 //! - `a`: binds its KV-event socket (`tcp://*:P`); 8 MiB of KV (16,384 tokens).
 //! - `b`: connects its KV-event socket to kvgate (`tcp://127.0.0.1:P`); 8 MiB of KV.
 //! - `c`: binds; 1 MiB of KV (2,048 tokens, 64 blocks), small enough to queue and evict.
+//! - `g`: the same runtime served as a gRPC worker (SMG's worker protocol, `smg-grpc-servicer`); 8 MiB
+//!   of KV. Only the gRPC trials route to it.
 //! - on the SGLang fleet also `v`, a vLLM engine (8 MiB) for the mixed-fleet trial.
 //!
 //! Needs `scripts/real-engines/setup.sh` (vLLM and SGLang in venvs, and the tiny model); fails saying
@@ -26,6 +28,7 @@ mod real {
     pub mod cache;
     pub mod calibration;
     pub mod demo;
+    pub mod grpc;
     pub mod mixed;
     pub mod occupancy;
     pub mod parity;
@@ -89,6 +92,10 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
             real::mixed::a_mixed_fleet_gets_credit_and_load_from_each_engines_own_telemetry,
         ]),
     }
+    list.extend(trials![
+        real::grpc::a_grpc_worker_answers_as_the_engines_own_server_does,
+        real::grpc::a_grpc_workers_events_earn_credit_and_a_gone_client_aborts_its_request,
+    ]);
     list.extend(trials![real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero]);
     if runtime == Runtime::Sglang {
         // After every other trial: no request of any of them reached the stand-in.
@@ -103,6 +110,8 @@ fn fleet_of(runtime: Runtime) -> Vec<EngineSpec> {
         EngineSpec::new("a", 16_384 * BYTES_PER_TOKEN).on(runtime),
         EngineSpec::new("b", 16_384 * BYTES_PER_TOKEN).on(runtime).connecting(),
         EngineSpec::new("c", 2_048 * BYTES_PER_TOKEN).on(runtime),
+        // The same runtime as a gRPC worker (SMG's protocol), which only the gRPC trials route to.
+        EngineSpec::new("g", 16_384 * BYTES_PER_TOKEN).on(runtime).grpc(),
     ];
     if runtime == Runtime::Sglang {
         specs.push(EngineSpec::new("v", 16_384 * BYTES_PER_TOKEN).on(Runtime::Vllm));

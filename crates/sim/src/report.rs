@@ -5,7 +5,7 @@ use kvgate_engine_model::Finished;
 use serde::Serialize;
 
 use crate::policy::Pick;
-use crate::sim::SimConfig;
+use crate::policy::PolicySpec;
 use crate::workload::Workload;
 
 /// How a request ended.
@@ -60,17 +60,16 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    /// A recorder for `workload` under `cfg`.
-    pub fn new(workload: &Workload, cfg: &SimConfig) -> Self {
+    /// A recorder for `workload` routed by `policy`, in the run seeded with `seed`.
+    pub fn new(workload: &Workload, policy: &PolicySpec, seed: u64) -> Self {
         let n = workload.requests.len();
         let measured: Vec<bool> = workload.requests.iter().map(|r| r.direct_to.is_none()).collect();
         let open = measured.iter().filter(|m| **m).count();
         Recorder {
             scenario: workload.name.clone(),
-            policy: cfg.policy.name.clone(),
-            mode: (cfg.policy.name == "projected")
-                .then(|| cfg.policy.mode.unwrap_or(kvgate_core::Mode::Enforce).to_string()),
-            seed: cfg.seed,
+            policy: policy.name.clone(),
+            mode: (policy.name == "projected").then(|| policy.mode.unwrap_or(kvgate_core::Mode::Enforce).to_string()),
+            seed,
             arrivals: workload.requests.iter().map(|r| r.arrival).collect(),
             hot: workload.requests.iter().map(|r| r.hot).collect(),
             measured,

@@ -254,7 +254,7 @@ impl<'w> Simulation<'w> {
                 _ => {}
             }
         }
-        let rec = Recorder::new(workload, &cfg);
+        let rec = Recorder::new(workload, &cfg.policy, cfg.seed);
         Ok(Simulation {
             fleet_block: p.block_size as usize,
             workload,

@@ -17,6 +17,7 @@ use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
 use crate::conversation::{conversation, template_kwargs};
+use crate::detokenize::Detokenizer;
 use crate::template::{ChatTemplate, ContentFormat, WallClock};
 use crate::{PromptTokenizer, TokenizeError};
 
@@ -50,7 +51,8 @@ const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 /// A HuggingFace tokenizer and chat template.
 pub struct HfTokenizer {
-    tokenizer: Tokenizer,
+    /// Shared with the detokenizers of responses in flight.
+    tokenizer: Arc<Tokenizer>,
     /// The default template, and named ones (`tool_use`, ...).
     template: Option<ChatTemplate>,
     named: BTreeMap<String, ChatTemplate>,
@@ -131,7 +133,7 @@ impl HfTokenizer {
             }
         }
         Ok(HfTokenizer {
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             template,
             named,
             special,
@@ -252,6 +254,10 @@ impl PromptTokenizer for HfTokenizer {
 
     fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         self.encode(text, add_special_tokens)
+    }
+
+    fn detokenizer(&self, prompt: &[u32], skip_special_tokens: bool) -> Option<Detokenizer> {
+        Some(Detokenizer::new(self.tokenizer.clone(), prompt, skip_special_tokens))
     }
 
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {

@@ -14,6 +14,8 @@
 //!   it (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`).
 //! - [`template`]: the chat template compiled as `transformers` compiles it, and vLLM's detection of
 //!   whether it wants content as a string or as a list of parts.
+//! - [`detokenize`]: output token ids back to text as the engine's own server does, stop strings
+//!   included, for workers that answer with token ids only.
 //! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over.
 //! - [`pyjson`], [`strftime`]: Python's `json.dumps` and `strftime`, which templates call.
 //!
@@ -24,6 +26,7 @@
 
 pub mod builtin;
 pub mod conversation;
+pub mod detokenize;
 pub mod hf;
 pub mod pyjson;
 pub mod request;
@@ -46,6 +49,9 @@ pub enum TokenizeError {
     /// The tokenizer failed.
     #[error("cannot tokenize the prompt: {0}")]
     Encode(String),
+    /// Token ids could not be turned back into text.
+    #[error("cannot decode token ids: {0}")]
+    Decode(String),
     /// The tokenizer files could not be loaded.
     #[error("cannot load the tokenizer: {0}")]
     Load(String),
@@ -63,6 +69,12 @@ pub trait PromptTokenizer: Send + Sync {
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError>;
     /// Token ids of a chat request, as the engine computes them.
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+    /// A detokenizer for the output of a sequence generated after `prompt`; `None` for a tokenizer
+    /// whose ids cannot be turned back into text (the built-in one, which hashes its pieces).
+    fn detokenizer(&self, prompt: &[u32], skip_special_tokens: bool) -> Option<detokenize::Detokenizer> {
+        let _ = (prompt, skip_special_tokens);
+        None
+    }
 }
 
 /// The text of a message's `content`: a string, or the `text` parts of an array of parts.

@@ -152,7 +152,8 @@ fn opt_count(obj: &Value, key: &str) -> Result<Option<u64>, RequestError> {
     }
 }
 
-pub(crate) fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
+/// A JSON array of token ids (`param` names the field in the error).
+pub fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
     let bad = || RequestError::invalid(param, format!("`{param}` token ids must be integers from 0 to {}", u32::MAX));
     v.as_array()
         .ok_or_else(bad)?

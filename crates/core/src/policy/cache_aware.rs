@@ -21,7 +21,10 @@
 //! counts when one router sends all traffic and also see load from other routers when telemetry does.
 //! Only `synced` workers count as holders, as for every kvgate policy.
 
+use rustc_hash::FxHashMap;
+
 use crate::decision::Reason;
+use crate::ids::{BlockKey, WorkerSlot};
 use crate::policy::{Choice, Choosing, Policy, PolicyConfig, SeedBook};
 
 /// The `cache_aware` policy, with or without distribution seeding.
@@ -49,7 +52,7 @@ impl Policy for CacheAware {
                 // No pin, or its owner is gone or ineligible: the prefix is seeded anew.
                 seeds.remove(&k);
             }
-            crate::fleet::seed(seeds, k, scored[picked.index()].slot);
+            seed(seeds, k, scored[picked.index()].slot);
         }
         let (chosen, reason) = match picked {
             Pick::Affinity(i) | Pick::Seeded(i) => (i, Reason::CacheAndLoad),
@@ -116,6 +119,20 @@ pub fn pick(
     let load = candidates[selected].in_flight as f64;
     let gate = load > mean * cfg.balance_rel && load > mean + cfg.balance_abs as f64;
     Some(if gate && !cfg.distribution_seeding { Pick::Balance(min_idx) } else { Pick::Affinity(selected) })
+}
+
+/// Prefixes pinned by distribution seeding beyond which old pins are forgotten.
+pub const MAX_SEEDED_PREFIXES: usize = 1 << 16;
+
+/// Pins `prefix` to `owner` in `seeds` (cap one: an existing pin is kept).
+pub(crate) fn seed(seeds: &mut FxHashMap<BlockKey, WorkerSlot>, prefix: BlockKey, owner: WorkerSlot) {
+    if seeds.len() >= MAX_SEEDED_PREFIXES && !seeds.contains_key(&prefix) {
+        // Bounded memory: forget one pin (deterministically, the first in table order).
+        if let Some(&old) = seeds.keys().next() {
+            seeds.remove(&old);
+        }
+    }
+    seeds.entry(prefix).or_insert(owner);
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ pub(crate) fn pair(n: usize, draw: u64) -> (usize, usize) {
 
 impl Policy for PowerOfTwo {
     fn choose(&self, c: &mut Choosing<'_>) -> Choice {
-        let reason = Reason::Baseline(crate::PolicyName::PowerOfTwo);
+        let reason = Reason::Baseline(crate::policy_name::PolicyName::PowerOfTwo);
         if c.scored.len() < 2 {
             return Choice { chosen: 0, reason, enforce: None };
         }

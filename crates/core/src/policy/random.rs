@@ -10,6 +10,6 @@ pub(crate) struct Random;
 impl Policy for Random {
     fn choose(&self, c: &mut Choosing<'_>) -> Choice {
         let chosen = (c.draw % c.scored.len() as u64) as usize;
-        Choice { chosen, reason: Reason::Baseline(crate::PolicyName::Random), enforce: None }
+        Choice { chosen, reason: Reason::Baseline(crate::policy_name::PolicyName::Random), enforce: None }
     }
 }

@@ -11,6 +11,6 @@ impl Policy for RoundRobin {
     fn choose(&self, c: &mut Choosing<'_>) -> Choice {
         // `turn` counts committed decisions, so a preview shows what the next request would get.
         let chosen = (c.turn % c.scored.len() as u64) as usize;
-        Choice { chosen, reason: Reason::Baseline(crate::PolicyName::RoundRobin), enforce: None }
+        Choice { chosen, reason: Reason::Baseline(crate::policy_name::PolicyName::RoundRobin), enforce: None }
     }
 }

@@ -224,5 +224,5 @@ pub async fn reload_discovery(State(state): State<Arc<AppState>>, headers: Heade
 /// `GET /admin/replicas`: this replica's id, the bus, its peers and what sharing has done.
 pub async fn replicas(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     check_admin(&state, &headers)?;
-    Ok(Json(serde_json::to_value(state.replicas.view(&state)).unwrap_or(Value::Null)))
+    Ok(Json(serde_json::to_value(state.replicas.view(&state.router, state.clock.now())).unwrap_or(Value::Null)))
 }

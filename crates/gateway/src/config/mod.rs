@@ -267,6 +267,9 @@ pub struct GatewayConfig {
     pub workers: Vec<WorkerSpec>,
     /// Tokenizer.
     pub tokenizer: TokenizerSpec,
+    /// No tokenizer was configured: with gRPC workers, take the model's from one of them at
+    /// start-up (`crate::worker_tokenizer::resolve`); without, the built-in one.
+    pub tokenizer_from_workers: bool,
     /// Client API keys (empty: no client authentication).
     pub api_keys: Vec<String>,
     /// Admin key (none: admin routes are open; a warning is logged).
@@ -353,6 +356,7 @@ impl GatewayConfig {
         let policy = patch.build().map_err(cfg_err)?;
         let workers = f.workers;
         check_distinct(&workers)?;
+        let tokenizer_from_workers = f.tokenizer.is_none();
         let tokenizer = f.tokenizer.unwrap_or_default();
         let s = &f.server;
         let t = &f.telemetry;
@@ -393,6 +397,7 @@ impl GatewayConfig {
             max_queued: pick(MAX_QUEUED, p.max_queued.map(|v| v as f64))? as usize,
             workers,
             tokenizer,
+            tokenizer_from_workers,
             api_keys,
             admin_key,
             max_body_bytes: pick(MAX_BODY_BYTES, s.max_body_bytes.map(|v| v as f64))? as usize,

@@ -76,8 +76,10 @@ pub struct WorkerSpec {
     /// replays on the `replay` port + r), as vLLM and SGLang do. Default 1.
     #[serde(default)]
     pub dp_size: Option<u16>,
-    /// Without `kv_events`, ask the engine's `GET /server_info` where it publishes them (SGLang
-    /// announces its KV-events configuration there). Default: on, unless `engine = "vllm"`.
+    /// Without `kv_events`, find the engine's KV events by themselves: an HTTP engine's `GET
+    /// /server_info` says where it publishes them (SGLang announces its KV-events configuration
+    /// there); a gRPC worker streams them itself (`SubscribeKvEvents`). Default: on, unless
+    /// `engine = "vllm"` on an HTTP engine; always on for gRPC workers unless set to false.
     #[serde(default)]
     pub discover_kv_events: Option<bool>,
 }
@@ -167,6 +169,12 @@ impl WorkerSpec {
         Ok(spec)
     }
 
+    /// Whether the worker speaks SMG's gRPC worker protocol (`grpc://host:port`) rather than serving
+    /// the OpenAI API over HTTP.
+    pub fn is_grpc(&self) -> bool {
+        self.url.starts_with("grpc://")
+    }
+
     /// The worker's id: the configured one, or the URL without its scheme.
     pub fn id(&self) -> String {
         self.id.clone().unwrap_or_else(|| {
@@ -186,6 +194,16 @@ impl WorkerSpec {
         let url = reqwest::Url::parse(&self.url).ok()?;
         let host = url.host_str()?;
         Some(if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_owned() })
+    }
+    /// The gRPC worker behind a `grpc://` URL, with the runtime `engine` names (`None`: not a gRPC
+    /// worker, or a URL validation refuses). Nothing connects yet.
+    pub fn grpc_worker(&self, connect_timeout: std::time::Duration) -> Option<crate::grpc_worker::GrpcWorker> {
+        let runtime = match self.engine {
+            EngineKind::Vllm => Some(crate::grpc_worker::GrpcRuntime::Vllm),
+            EngineKind::Sglang => Some(crate::grpc_worker::GrpcRuntime::Sglang),
+            EngineKind::Auto => None,
+        };
+        self.is_grpc().then(|| crate::grpc_worker::GrpcWorker::new(&self.url, runtime, connect_timeout).ok()).flatten()
     }
 
     /// Whether kvgate binds the KV-event endpoint.
@@ -224,8 +242,14 @@ impl WorkerSpec {
     pub fn validate(&self) -> Result<(), GatewayError> {
         let url = reqwest::Url::parse(&self.url)
             .map_err(|e| GatewayError::Config(format!("worker url {:?}: {e}", self.url)))?;
-        if url.scheme() != "http" && url.scheme() != "https" {
-            return Err(GatewayError::Config(format!("worker url {:?}: scheme must be http or https", self.url)));
+        if !matches!(url.scheme(), "http" | "https" | "grpc") {
+            return Err(GatewayError::Config(format!(
+                "worker url {:?}: scheme must be http or https (an OpenAI HTTP server) or grpc (SMG's gRPC worker protocol)",
+                self.url
+            )));
+        }
+        if self.is_grpc() {
+            crate::grpc_worker::channel_uri(&self.url).map_err(|e| GatewayError::Config(format!("worker url {e}")))?;
         }
         if url.host_str().is_none() {
             return Err(GatewayError::Config(format!("worker url {:?}: no host", self.url)));
@@ -353,5 +377,7 @@ mod tests {
         assert!(err("http://h:1,kv_events=:65535,dp_size=2").contains("65535"));
         assert!(err("http://h:1,dp_size=0").contains("dp_size"));
         assert!(err("ftp://h:1").contains("scheme"));
+        assert!(err("grpc://h:1/v1").contains("without a path"));
+        assert!(WorkerSpec::parse_compact("grpc://10.0.0.7:50051,engine=sglang").unwrap().is_grpc());
     }
 }

@@ -21,14 +21,14 @@ use std::time::Duration;
 
 use async_nats::connection::State as BusState;
 use futures_util::{FutureExt, StreamExt};
-use kvgate_core::{BatchWindows, PeerApply, PeerStatus, ReplicaId};
+use kvgate_core::{BatchWindows, PeerApply, PeerStatus, ReplicaId, Router, Timestamp};
 use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::{oneshot, Notify};
 
+use crate::clock::Clock;
 use crate::config::{redact_url, ReplicasConfig};
 use crate::metrics::replicas::ReplicaMetrics;
-use crate::state::AppState;
 use wire::{Body, Decoded, Envelope};
 
 /// Counters and connection state, for `GET /admin/replicas`.
@@ -102,8 +102,8 @@ impl Replicas {
         Replicas { config, instance: crate::clock::entropy() | 1, counters: Mutex::new(counters), metrics }
     }
 
-    /// The view for the admin API.
-    pub fn view(&self, state: &AppState) -> ReplicasView {
+    /// The view for the admin API, with the peers `router` holds reservations of at `now`.
+    pub fn view(&self, router: &Router, now: Timestamp) -> ReplicasView {
         let counters = self.counters.lock().clone();
         let c = self.config.as_ref();
         ReplicasView {
@@ -113,7 +113,7 @@ impl Replicas {
             subject: c.map(|c| c.subject.clone()),
             connected: counters.bus_state == "connected",
             counters,
-            peers: state.router.peers(state.clock.now()),
+            peers: router.peers(now),
         }
     }
 
@@ -125,6 +125,20 @@ impl Replicas {
         }
         self.metrics.connected.set(i64::from(bus_state == "connected"));
     }
+}
+
+/// What the sharing task uses of the gateway: the router whose reservations it shares, the clock,
+/// the sharing state, and the signal that wakes queued requests when a peer's reservations end.
+#[derive(Debug, Clone)]
+pub struct SharingContext {
+    /// The routing core.
+    pub router: Arc<Router>,
+    /// The gateway's clock.
+    pub clock: Clock,
+    /// This replica's sharing state.
+    pub replicas: Arc<Replicas>,
+    /// Notified when capacity may have appeared.
+    pub capacity: Arc<Notify>,
 }
 
 /// A running sharing task; [`ReplicaTask::stop`] says goodbye to the peers and ends it.
@@ -143,7 +157,7 @@ impl ReplicaTask {
 }
 
 /// Starts sharing when `[replicas]` configures a bus.
-pub fn start(state: &Arc<AppState>) -> Option<ReplicaTask> {
+pub fn start(state: &SharingContext) -> Option<ReplicaTask> {
     let config = state.replicas.config.clone()?;
     let (stop, stopped) = oneshot::channel();
     let due_earlier = Arc::new(Notify::new());
@@ -162,7 +176,7 @@ fn reconnect_delay(attempts: usize) -> Duration {
 }
 
 async fn run(
-    state: Arc<AppState>,
+    state: SharingContext,
     config: ReplicasConfig,
     mut stopped: oneshot::Receiver<()>,
     due_earlier: Arc<Notify>,
@@ -276,12 +290,12 @@ async fn run(
     state.router.share_reservations(false);
 }
 
-fn now_ms(state: &AppState) -> u64 {
+fn now_ms(state: &SharingContext) -> u64 {
     state.clock.now().as_micros() / 1000
 }
 
 /// Follows the bus client's connection events.
-fn observe(state: &AppState, event: &async_nats::Event) {
+fn observe(state: &SharingContext, event: &async_nats::Event) {
     let replicas = &state.replicas;
     match event {
         async_nats::Event::Connected => {
@@ -308,7 +322,7 @@ struct Sender<'a> {
 
 impl Sender<'_> {
     /// Publishes one body; while the bus is down the body is dropped (the next full state heals).
-    async fn send(&mut self, state: &AppState, body: Body) {
+    async fn send(&mut self, state: &SharingContext, body: Body) {
         let replicas = &state.replicas;
         if self.client.connection_state() != BusState::Connected {
             replicas.counters.lock().dropped += 1;
@@ -352,7 +366,7 @@ impl Sender<'_> {
 }
 
 /// Applies one payload from the subject.
-fn receive(state: &AppState, me: &ReplicaId, payload: &[u8]) {
+fn receive(state: &SharingContext, me: &ReplicaId, payload: &[u8]) {
     let replicas = &state.replicas;
     let now = state.clock.now();
     let mut frees_capacity = false;

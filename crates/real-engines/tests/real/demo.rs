@@ -8,13 +8,18 @@ use kvgate_demo::{run_one_on, DemoConfig};
 use kvgate_real_engines::fleet::Fleet;
 
 pub async fn the_demo_runs_on_real_engines_and_reuses_their_caches(fleet: Arc<Fleet>) -> anyhow::Result<()> {
-    let cfg = DemoConfig { workers: fleet.engines.len(), duration_s: 6.0, rate: 3.0, ..DemoConfig::for_real_engines() };
+    let cfg = DemoConfig {
+        workers: fleet.http_engines().len(),
+        duration_s: 6.0,
+        rate: 3.0,
+        ..DemoConfig::for_real_engines()
+    };
     let report = run_one_on(&cfg, "projected:enforce", Arc::new(AtomicU64::new(0)), Some(fleet.clone()))
         .await
         .map_err(anyhow::Error::msg)?;
     let r = &report.requests;
     ensure!(r.total >= 10 && r.completed == r.total, "the demo's requests: {r:?}");
-    ensure!(report.workers.len() == fleet.engines.len());
+    ensure!(report.workers.len() == fleet.http_engines().len());
     ensure!(report.throughput.output_tokens_per_s > 0.0);
     // The engines' own counters: the system prompts are shared, so much of the prompt comes from cache
     // (each run's first requests of each prompt compute it, and 6 s at 3 a second is 18 requests).

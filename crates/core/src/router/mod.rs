@@ -8,6 +8,8 @@ use kvgate_protocol::KvEvent;
 use parking_lot::{Mutex, RwLock};
 use rand::RngCore;
 
+mod sharing;
+
 use crate::decision::{Decision, FallbackReason, Reason, ScoreTerms, MAX_SCORES};
 use crate::error::CoreError;
 use crate::fleet::{Fleet, Timing, WorkerConfig, WorkerStatus};

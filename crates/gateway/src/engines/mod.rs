@@ -9,6 +9,9 @@
 //! kvgate holds for it is dropped at once and rebuilt from the engine's replay socket: vLLM's block
 //! hashes repeat across restarts, so old blocks would otherwise look cached on a cold engine.
 
+mod grpc;
+mod grpc_events;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,8 +22,7 @@ use kvgate_protocol::telemetry::{parse_prometheus, parse_sglang_loads, EngineLoa
 
 use crate::config::EngineKind;
 use crate::metrics::Metrics;
-use crate::registry::EngineContext;
-pub use crate::registry::{EngineHandle, EngineView};
+use crate::registry::{EngineContext, EngineHandle};
 
 /// Health checks between model-list refreshes.
 const MODELS_EVERY: u32 = 15;
@@ -40,6 +42,9 @@ pub fn start(ctx: &EngineContext, engine: &Arc<EngineHandle>) {
     drop(tasks);
     if let Some(spec) = engine.kv_spec() {
         start_streams(ctx, engine, &spec);
+    } else if engine.subscribes_over_grpc() {
+        let task = tokio::spawn(grpc_events::run(ctx.clone(), engine.clone()));
+        engine.tasks.lock().push(task.abort_handle());
     }
 }
 
@@ -255,6 +260,8 @@ pub fn resync(ctx: &EngineContext, engine: &EngineHandle, why: &str) {
     let _ = ctx.router.clear_kv(&engine.id);
     let kv = if !engine.has_kv_events() {
         engine.synced_state()
+    } else if engine.subscribes_over_grpc() {
+        KvState::Incomplete(format!("{why}: subscribing to its KV events again"))
     } else {
         KvState::Incomplete(format!("{why}: rebuilding its KV view from its replay socket"))
     };
@@ -326,6 +333,9 @@ async fn check_health(ctx: &EngineContext, engine: &Arc<EngineHandle>, refresh_m
     // engine, which would take it out of rotation and throw away its KV view on return.
     let floor = if engine.is_sglang() { SGLANG_HEALTH_TIMEOUT_MIN } else { HEALTH_TIMEOUT_MIN };
     let timeout = ctx.settings.health_interval.clamp(floor, HEALTH_TIMEOUT_MAX);
+    if let Some(worker) = &engine.grpc {
+        return grpc::check_health(ctx, engine, worker, timeout, refresh_models).await;
+    }
     // Whether the check passed, and, if not, whether the engine itself said so (an answer, a refused
     // connect) rather than being slow to answer, which a busy gateway can cause.
     let (ok, engine_said) = match ctx.http.get(format!("{}/health", engine.base)).timeout(timeout).send().await {
@@ -380,6 +390,9 @@ async fn fetch(ctx: &EngineContext, url: String) -> Result<Vec<u8>, String> {
 }
 
 async fn poll_load(ctx: &EngineContext, engine: &EngineHandle) {
+    if let Some(worker) = &engine.grpc {
+        return grpc::poll_load(ctx, engine, worker).await;
+    }
     let kinds: &[EngineKind] = match (engine.spec.engine, *engine.telemetry.lock()) {
         (EngineKind::Sglang, _) | (EngineKind::Auto, Some(EngineKind::Sglang)) => &[EngineKind::Sglang],
         (EngineKind::Vllm, _) | (EngineKind::Auto, Some(EngineKind::Vllm)) => &[EngineKind::Vllm],

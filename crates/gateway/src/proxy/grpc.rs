@@ -1,0 +1,559 @@
+//! The backend for gRPC workers (SMG's worker protocol): the prompt goes as the token ids kvgate
+//! routed on, the worker's token ids come back and are detokenized, trimmed at stop strings and
+//! shaped into the OpenAI response here, streamed or whole.
+//!
+//! A stop string the worker did not match itself (SGLang's servicer runs without a tokenizer) ends
+//! the response in the gateway, and the worker is told to abort the rest; so is a client that goes
+//! away (its body dropped).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use kvgate_tokenizer::detokenize::SequenceText;
+use serde_json::Value;
+use tonic::Code;
+
+use super::flight::{error_event, Flight, Outcome};
+use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
+use super::{Backend, Outgoing, SendFailure};
+use crate::engines;
+use crate::error::ApiError;
+use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream};
+use crate::registry::EngineHandle;
+use crate::state::AppState;
+
+/// How long an abort may take; it is sent in the background.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Generates through the engine's gRPC worker.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct GrpcBackend;
+
+/// A started generation, before any of it reached the client.
+pub(super) struct GrpcAnswer {
+    pieces: PieceStream,
+    request_id: String,
+    plan: Plan,
+    head: ResponseHead,
+    /// One per sequence asked for (`n`), by index.
+    choices: Vec<Choice>,
+    stream: bool,
+    prompt_tokens: u64,
+    /// Whether a finished sequence ends with the text of characters that never completed (SGLang's
+    /// server shows them, replaced; vLLM's does not).
+    flush_incomplete: bool,
+}
+
+/// One sequence of an answer.
+struct Choice {
+    text: SequenceText,
+    /// The last token received, not yet text: only the next message says whether it is the token
+    /// the worker stopped on (an EOS, which is no text) or generated text.
+    held: Option<u32>,
+    /// How it ended, once it has.
+    finish: Option<Finish>,
+    /// It ended at a stop string the gateway matched: the worker may still be generating it.
+    cut_short: bool,
+}
+
+impl Choice {
+    /// Adds a chunk's tokens, holding its last one back (see `held`). A stop string the worker
+    /// does not match (SGLang's servicer has no tokenizer) ends the sequence here.
+    fn push_chunk(&mut self, ids: &[u32]) -> Result<(), ApiError> {
+        if self.finish.is_some() {
+            return Ok(()); // already cut at a stop string: the rest is not text
+        }
+        let Some((&last, rest)) = ids.split_last() else { return Ok(()) };
+        let mut run: Vec<u32> = self.held.take().into_iter().collect();
+        run.extend_from_slice(rest);
+        self.text.push(&run, false).map_err(|_| ApiError::Internal)?;
+        self.held = Some(last);
+        if self.text.stopped().is_some() {
+            self.finish = Some(finish_of(&self.text, "stop", None));
+            self.cut_short = true;
+        }
+        Ok(())
+    }
+
+    /// Adds the end: the held token with how the worker stopped, or, when no chunk came (an answer
+    /// that did not stream), the whole output.
+    fn push_end(
+        &mut self,
+        output_ids: &[u32],
+        finish_reason: &str,
+        matched: Option<&MatchedStop>,
+        flush_incomplete: bool,
+    ) -> Result<(), ApiError> {
+        if self.finish.is_some() {
+            self.cut_short = false; // the worker is done with it too
+            return Ok(());
+        }
+        let on_token = stopped_on_token(finish_reason, matched);
+        let ids: Vec<u32> = match self.held.take() {
+            Some(last) => vec![last],
+            None if self.text.tokens() == 0 => output_ids.to_vec(),
+            None => Vec::new(),
+        };
+        self.text.push(&ids, on_token).map_err(|_| ApiError::Internal)?;
+        if flush_incomplete {
+            self.text.flush_incomplete().map_err(|_| ApiError::Internal)?;
+        }
+        self.finish = Some(finish_of(&self.text, finish_reason, matched));
+        Ok(())
+    }
+}
+
+impl GrpcAnswer {
+    /// The choice a piece belongs to; a worker naming one that was not asked for is at fault.
+    fn choice(&mut self, index: u32) -> Result<&mut Choice, ApiError> {
+        let n = self.choices.len();
+        self.choices.get_mut(index as usize).ok_or_else(|| {
+            tracing::warn!(index, n, "the gRPC worker answered for a sequence that was not asked for");
+            ApiError::UpstreamFailed
+        })
+    }
+
+    /// The choice a whole (non-streamed) sequence's `Complete` belongs to. SGLang's Python servicer
+    /// (0.14.1) numbers every sequence of a whole `n > 1` answer 0: a second end for a choice the
+    /// worker already ended is taken as the next choice still open, in order.
+    fn whole_sequence_slot(&self, index: u32) -> u32 {
+        match self.choices.get(index as usize) {
+            Some(c) if c.finish.is_some() && !c.cut_short => {
+                self.choices.iter().position(|c| c.finish.is_none()).map_or(index, |i| i as u32)
+            }
+            _ => index,
+        }
+    }
+
+    fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    /// Whether the worker may still be generating a sequence the gateway cut at a stop string.
+    fn worker_still_busy(&self) -> bool {
+        self.choices.iter().any(|c| c.cut_short)
+    }
+
+    fn completion_tokens(&self) -> u64 {
+        self.choices.iter().map(|c| c.text.tokens() as u64).sum()
+    }
+}
+
+/// The gRPC status a worker answered with, as the client's error; whether it blames the worker.
+fn status_error(status: &tonic::Status) -> (ApiError, bool) {
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => (
+            ApiError::InvalidRequest {
+                param: None,
+                message: format!("the worker refused the request: {}", status.message()),
+            },
+            false,
+        ),
+        Code::DeadlineExceeded => (ApiError::UpstreamTimeout, true),
+        Code::Unavailable => (ApiError::UpstreamUnavailable, true),
+        _ => (ApiError::UpstreamFailed, true),
+    }
+}
+
+/// Tells the worker to stop a request, without waiting for its answer.
+fn abort_in_background(engine: &Arc<EngineHandle>, request_id: String) {
+    let engine = engine.clone();
+    tokio::spawn(async move {
+        if let Some(worker) = &engine.grpc {
+            if let Err(status) = worker.abort(&request_id, ABORT_TIMEOUT).await {
+                tracing::debug!(engine = %engine.id, request = %request_id, error = %status, "abort failed");
+            }
+        }
+    });
+}
+
+/// Unix seconds now, for `created`.
+#[allow(clippy::disallowed_methods)] // the response's wall-clock stamp, read at the edge
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+impl Backend for GrpcBackend {
+    type Answer = GrpcAnswer;
+
+    /// Sends the token ids and sampling settings, and waits for the worker to accept the stream.
+    async fn send(
+        &self,
+        state: &AppState,
+        request: Outgoing<'_>,
+        flight: &mut Flight,
+    ) -> Result<GrpcAnswer, SendFailure> {
+        let engine = flight.engine.clone();
+        let Some(worker) = &engine.grpc else {
+            return Err(SendFailure::Final(ApiError::Internal));
+        };
+        let body: Value = serde_json::from_slice(request.body)
+            .map_err(|e| SendFailure::Final(ApiError::InvalidJson(e.to_string())))?;
+        let served = engine.models.lock().first().cloned().unwrap_or_default();
+        let mut plan = Plan::from_request(request.endpoint, &body, &served).map_err(SendFailure::Final)?;
+        let prompt = &request.parsed.tokens;
+        if plan.sampling.seed.is_some() && worker.known_runtime() == Some(GrpcRuntime::Sglang) {
+            // SGLang's worker protocol carries no sampler seed: refused, not dropped.
+            return Err(SendFailure::Final(ApiError::invalid(
+                "seed",
+                "`seed` is not supported by SGLang gRPC workers (their protocol carries no sampler seed)",
+            )));
+        }
+        if matches!(plan.sampling.constraint, Some(crate::grpc_worker::Constraint::Choice(_)))
+            && worker.known_runtime() == Some(GrpcRuntime::Sglang)
+        {
+            return Err(SendFailure::Final(ApiError::invalid(
+                "structured_outputs",
+                "`structured_outputs.choice` is not supported by SGLang gRPC workers (their protocol has no choice \
+                 constraint): use a regex of the alternatives",
+            )));
+        }
+        if plan.max_tokens_from_context {
+            // vLLM's default for chat: whatever the context leaves after the prompt.
+            // Unknown (the worker has not said): the worker's own default.
+            let context = engine.identity.lock().max_context_tokens;
+            plan.sampling.max_tokens =
+                context.map(|c| u32::try_from(c.saturating_sub(prompt.len() as u64)).unwrap_or(u32::MAX));
+        }
+        let mut choices = Vec::with_capacity(plan.sampling.n as usize);
+        for _ in 0..plan.sampling.n.max(1) {
+            let Some(detokenizer) = state.tokenizer.detokenizer(prompt, plan.sampling.skip_special_tokens) else {
+                return Err(SendFailure::Final(ApiError::Internal));
+            };
+            let text = SequenceText::new(detokenizer, plan.stop.clone());
+            choices.push(Choice { text, held: None, finish: None, cut_short: false });
+        }
+        let request_id = format!("kvgate-{}", flight.id.0);
+        let generation = Generation {
+            request_id: request_id.clone(),
+            input_ids: prompt.clone(),
+            sampling: plan.sampling.clone(),
+            stream: request.parsed.stream,
+        };
+        let pieces = match worker.generate(generation, state.config.request_timeout).await {
+            Ok(pieces) => pieces,
+            Err(status) => {
+                let (err, blames) = status_error(&status);
+                tracing::warn!(engine = %engine.id, request = flight.id.0, code = ?status.code(), message = status.message(), "gRPC Generate failed");
+                if !blames {
+                    return Err(SendFailure::Final(err));
+                }
+                if status.code() == Code::Unavailable {
+                    // Nothing was generated: another worker can take it.
+                    engines::connect_failed(&state.engine_context(), &engine);
+                    return Err(SendFailure::Retryable(err));
+                }
+                flight.engine_failed(&err);
+                return Err(SendFailure::Final(err));
+            }
+        };
+        engines::request_succeeded(&engine);
+        let prefix = if plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+        let head = ResponseHead {
+            id: format!("{prefix}-kvgate-{}", flight.id.0),
+            created: unix_now(),
+            model: plan.model.clone(),
+            endpoint: plan.endpoint,
+        };
+        let flush_incomplete = worker.known_runtime() == Some(GrpcRuntime::Sglang);
+        Ok(GrpcAnswer {
+            flush_incomplete,
+            pieces,
+            request_id,
+            plan,
+            head,
+            choices,
+            stream: request.parsed.stream,
+            prompt_tokens: prompt.len() as u64,
+        })
+    }
+
+    /// Detokenizes the worker's pieces into the client's response.
+    async fn respond(&self, answer: GrpcAnswer, mut flight: Flight) -> Result<Response, ApiError> {
+        let request_id = HeaderValue::from_str(&flight.id.0.to_string()).ok();
+        if !answer.stream {
+            let state = flight.state.clone();
+            let worker_request = answer.request_id.clone();
+            let collected = tokio::time::timeout(state.config.request_timeout, collect(answer, &mut flight)).await;
+            let (status, body) = match collected {
+                Ok(Ok(body)) => (StatusCode::OK, body),
+                Ok(Err(err)) => return Err(err),
+                Err(_) => {
+                    flight.engine_failed(&ApiError::UpstreamTimeout);
+                    abort_in_background(&flight.engine, worker_request);
+                    return Err(ApiError::UpstreamTimeout);
+                }
+            };
+            flight.first_byte(false);
+            flight.outcome = Outcome::Status(status.as_u16());
+            let mut out = Response::new(Body::from(body.to_string()));
+            out.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            if let Some(v) = request_id {
+                out.headers_mut().insert("x-kvgate-request-id", v);
+            }
+            return Ok(out);
+        }
+        let idle = flight.state.config.limits.stream_idle_timeout;
+        let stream = Streamer { answer, flight: Some(flight), usage: Usage::default(), started: false, done: false };
+        let body = futures_util::stream::unfold(stream, move |mut s| async move {
+            let event = s.next_event(idle).await?;
+            Some((Ok::<Bytes, std::io::Error>(Bytes::from(event)), s))
+        });
+        let mut out = Response::new(Body::from_stream(body));
+        out.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        out.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        if let Some(v) = request_id {
+            out.headers_mut().insert("x-kvgate-request-id", v);
+        }
+        Ok(out)
+    }
+}
+
+/// How the worker's `Complete` ends the sequence, unless the gateway's own stop-string match did.
+fn finish_of(text: &SequenceText, reason: &str, matched: Option<&MatchedStop>) -> Finish {
+    if let Some(stop) = text.stopped() {
+        return Finish { reason: "stop".into(), stop_reason: Value::from(stop) };
+    }
+    let stop_reason = match matched {
+        Some(MatchedStop::Text(s)) => Value::from(s.clone()),
+        Some(MatchedStop::Token(t)) => Value::from(*t),
+        None => Value::Null,
+    };
+    // vLLM names an end-of-sequence token `stop` with a null stop_reason; so does kvgate.
+    Finish { reason: if reason.is_empty() { "stop".into() } else { reason.to_owned() }, stop_reason }
+}
+
+/// Whether the worker stopped on a token (EOS or a stop token id), which is then not text.
+fn stopped_on_token(reason: &str, matched: Option<&MatchedStop>) -> bool {
+    reason == "stop" && !matches!(matched, Some(MatchedStop::Text(_)))
+}
+
+/// The whole response of a request that did not stream. On an error the flight's outcome is set
+/// (the worker blamed where it failed) and the worker is told to stop what it may still run.
+async fn collect(answer: GrpcAnswer, flight: &mut Flight) -> Result<Value, ApiError> {
+    let request_id = answer.request_id.clone();
+    let collected = collect_answer(answer, flight).await;
+    if let Err((err, blames_worker)) = &collected {
+        if *blames_worker {
+            flight.engine_failed(err);
+        } else {
+            flight.outcome = Outcome::Status(err.status().as_u16());
+        }
+        abort_in_background(&flight.engine, request_id);
+    }
+    collected.map_err(|(err, _)| err)
+}
+
+/// The pieces of an answer that did not stream, read until every sequence has ended; an error says
+/// whether it blames the worker.
+async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<Value, (ApiError, bool)> {
+    let internal = |e: ApiError| (e, false);
+    let blamed = |e: ApiError| (e, true);
+    let mut usage = Usage { prompt_tokens: answer.prompt_tokens, ..Usage::default() };
+    let flush = answer.flush_incomplete;
+    while let Some(piece) = answer.pieces.next().await {
+        match piece {
+            Ok(Piece::Chunk { index, token_ids, cached_tokens, .. }) => {
+                usage.cached_tokens = u64::from(cached_tokens);
+                answer.choice(index).map_err(blamed)?.push_chunk(&token_ids).map_err(internal)?;
+            }
+            Ok(Piece::Complete {
+                index,
+                output_ids,
+                finish_reason,
+                prompt_tokens,
+                cached_tokens,
+                matched_stop,
+                ..
+            }) => {
+                let index = answer.whole_sequence_slot(index);
+                let choice = answer.choice(index).map_err(blamed)?;
+                choice.push_end(&output_ids, &finish_reason, matched_stop.as_ref(), flush).map_err(internal)?;
+                usage.prompt_tokens = u64::from(prompt_tokens).max(usage.prompt_tokens);
+                usage.cached_tokens = u64::from(cached_tokens);
+            }
+            Err(status) => {
+                tracing::warn!(engine = %flight.engine.id, request = flight.id.0, error = %status, "gRPC stream failed");
+                return Err(status_error(&status));
+            }
+        }
+        if answer.all_finished() {
+            if answer.worker_still_busy() {
+                // Cut at a stop string the worker does not match: it is told to stop the rest.
+                abort_in_background(&flight.engine, answer.request_id.clone());
+            }
+            usage.completion_tokens = answer.completion_tokens();
+            flight.output_tokens = Some(usage.completion_tokens);
+            let choices: Vec<(String, Finish)> = answer
+                .choices
+                .iter()
+                .map(|c| {
+                    (c.text.text().to_owned(), c.finish.clone().unwrap_or_else(|| finish_of(&c.text, "stop", None)))
+                })
+                .collect();
+            return Ok(answer.head.body(&choices, usage));
+        }
+    }
+    tracing::warn!(engine = %flight.engine.id, request = flight.id.0, "the gRPC stream ended without a completion");
+    Err((ApiError::UpstreamFailed, true))
+}
+
+/// A streamed response in progress: the worker's pieces turned into SSE events one at a time. When
+/// it is dropped before the end (the client went away), the worker is told to abort.
+struct Streamer {
+    answer: GrpcAnswer,
+    flight: Option<Flight>,
+    usage: Usage,
+    started: bool,
+    done: bool,
+}
+
+impl Drop for Streamer {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Some(flight) = &self.flight {
+                abort_in_background(&flight.engine, self.answer.request_id.clone());
+            }
+        }
+    }
+}
+
+impl Streamer {
+    /// The next SSE text to send; `None` when the stream is over.
+    async fn next_event(&mut self, idle: Duration) -> Option<String> {
+        if self.done {
+            return None;
+        }
+        let mut out = String::new();
+        if !self.started {
+            self.started = true;
+            self.usage.prompt_tokens = self.answer.prompt_tokens;
+            // The assistant's role at once, for every choice, as vLLM sends it, before any token.
+            if self.answer.plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat {
+                for index in 0..self.answer.choices.len() as u32 {
+                    out.push_str(&sse(&self.answer.head.role_chunk(index)));
+                }
+                return Some(out);
+            }
+        }
+        let flush = self.answer.flush_incomplete;
+        loop {
+            let piece = match tokio::time::timeout(idle, self.answer.pieces.next()).await {
+                Ok(piece) => piece,
+                Err(_) => return Some(self.fail(out, ApiError::UpstreamTimeout, true)),
+            };
+            let index = match piece {
+                Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, .. })) => {
+                    self.usage.cached_tokens = u64::from(cached_tokens);
+                    if let Some(f) = self.flight.as_mut() {
+                        f.first_byte(true);
+                    }
+                    let pushed = match self.answer.choice(index) {
+                        Ok(choice) if choice.finish.is_some() => continue, // cut at a stop string already
+                        Ok(choice) => choice.push_chunk(&token_ids).map_err(|e| (e, false)),
+                        Err(e) => Err((e, true)),
+                    };
+                    if let Err((err, blames)) = pushed {
+                        return Some(self.fail(out, err, blames));
+                    }
+                    index
+                }
+                Some(Ok(Piece::Complete {
+                    index,
+                    finish_reason,
+                    prompt_tokens,
+                    cached_tokens,
+                    matched_stop,
+                    output_ids,
+                    ..
+                })) => {
+                    self.usage.prompt_tokens = u64::from(prompt_tokens).max(self.usage.prompt_tokens);
+                    self.usage.cached_tokens = u64::from(cached_tokens);
+                    let pushed = match self.answer.choice(index) {
+                        Ok(choice) if choice.finish.is_some() => {
+                            choice.cut_short = false;
+                            continue; // its end was sent when the gateway cut it
+                        }
+                        Ok(choice) => choice
+                            .push_end(&output_ids, &finish_reason, matched_stop.as_ref(), flush)
+                            .map_err(|e| (e, false)),
+                        Err(e) => Err((e, true)),
+                    };
+                    if let Err((err, blames)) = pushed {
+                        return Some(self.fail(out, err, blames));
+                    }
+                    index
+                }
+                Some(Err(status)) => {
+                    let (err, blames) = status_error(&status);
+                    tracing::warn!(engine = ?self.flight.as_ref().map(|f| f.engine.id.clone()), error = %status, "gRPC stream broke mid-response");
+                    return Some(self.fail(out, err, blames));
+                }
+                None => return Some(self.fail(out, ApiError::UpstreamFailed, true)),
+            };
+            let head = &self.answer.head;
+            let choice = &mut self.answer.choices[index as usize];
+            match choice.finish.clone() {
+                // The sequence ended (at the worker's stop, or at a stop string the gateway matched):
+                // the rest of its text with how it ended.
+                Some(finish) => {
+                    let rest = choice.text.take_delta(true);
+                    out.push_str(&sse(&head.text_chunk(index, &rest, Some(&finish))));
+                    if self.answer.all_finished() {
+                        return Some(self.finish(out));
+                    }
+                    return Some(out);
+                }
+                None => {
+                    let delta = choice.text.take_delta(false);
+                    if !delta.is_empty() {
+                        out.push_str(&sse(&head.text_chunk(index, &delta, None)));
+                        return Some(out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The last events once every sequence has ended: the usage if asked, `[DONE]`. A sequence the
+    /// gateway cut at a stop string is stopped on the worker.
+    fn finish(&mut self, mut out: String) -> String {
+        if self.answer.worker_still_busy() {
+            if let Some(f) = &self.flight {
+                abort_in_background(&f.engine, self.answer.request_id.clone());
+            }
+        }
+        self.usage.completion_tokens = self.answer.completion_tokens();
+        if self.answer.plan.include_usage {
+            out.push_str(&sse(&self.answer.head.usage_chunk(self.usage)));
+        }
+        out.push_str("data: [DONE]\n\n");
+        if let Some(mut f) = self.flight.take() {
+            f.first_byte(true);
+            f.output_tokens = Some(self.usage.completion_tokens);
+            f.outcome = Outcome::Status(200);
+        }
+        self.done = true;
+        out
+    }
+
+    /// An error event that ends the stream.
+    fn fail(&mut self, out: String, err: ApiError, blames_worker: bool) -> String {
+        if let Some(mut f) = self.flight.take() {
+            if blames_worker {
+                f.engine_failed(&err);
+            } else {
+                f.outcome = Outcome::Status(err.status().as_u16());
+            }
+            abort_in_background(&f.engine, self.answer.request_id.clone());
+        }
+        self.done = true;
+        let tail = out.as_bytes()[out.len().saturating_sub(2)..].to_vec();
+        format!("{out}{}", error_event(&tail, &err))
+    }
+}

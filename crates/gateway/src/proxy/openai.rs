@@ -1,0 +1,544 @@
+//! The OpenAI side of a worker that speaks token ids (a gRPC worker): what a chat or completions
+//! request asks of the sampler, and the response bodies and SSE chunks built from the detokenized
+//! output, in the shapes vLLM's own server sends.
+
+use serde_json::{json, Map, Value};
+
+use kvgate_tokenizer::detokenize::StopRule;
+use kvgate_tokenizer::request::Endpoint;
+
+use crate::error::ApiError;
+use crate::grpc_worker::{Constraint, Sampling};
+
+/// Fields a chat or completions request may carry to a gRPC worker today. A field not listed is
+/// refused with a 400 that names it, never dropped: the worker would not honour it.
+const ACCEPTED: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "n",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "user",
+    // Bookkeeping that changes nothing the worker generates (vLLM's own server ignores them too).
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "cache_salt",
+    "logprobs",
+    "echo",
+    "logit_bias",
+    "response_format",
+    "structured_outputs",
+];
+
+/// The most sequences one request may ask for: each is a sequence in the worker's batch.
+pub const MAX_N: u32 = 128;
+
+/// Chat-only fields, all consumed when the prompt is rendered.
+const CHAT_ONLY: &[&str] = &[
+    "messages",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
+
+/// Completions-only fields.
+const COMPLETIONS_ONLY: &[&str] = &["prompt", "add_special_tokens"];
+
+/// What a request asks of the worker and of the response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Chat or completions.
+    pub endpoint: Endpoint,
+    /// The model name the response carries.
+    pub model: String,
+    /// Sampling settings for the worker.
+    pub sampling: Sampling,
+    /// Stop strings, matched in the gateway.
+    pub stop: StopRule,
+    /// Whether the client wants a usage chunk at the end of a stream.
+    pub include_usage: bool,
+    /// Whether `max_tokens` was left to the context length (chat without a limit).
+    pub max_tokens_from_context: bool,
+}
+
+fn number(body: &Value, key: &str) -> Result<Option<f64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| ApiError::invalid(key, format!("`{key}` must be a number"))),
+    }
+}
+
+fn integer(body: &Value, key: &str) -> Result<Option<i64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_i64().map(Some).ok_or_else(|| ApiError::invalid(key, format!("`{key}` must be an integer"))),
+    }
+}
+
+fn flag(body: &Value, key: &str, default: bool) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean"))),
+    }
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to a bias, clamped to ±100 as vLLM's server
+/// clamps it.
+fn logit_bias(body: &Value) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |why: &str| ApiError::invalid("logit_bias", format!("`logit_bias` {why}"));
+    let entries = match body.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad("must be an object of token ids to numbers")),
+    };
+    let mut out = Vec::with_capacity(entries.len());
+    for (token, bias) in entries {
+        let token: u32 = token.parse().map_err(|_| bad(&format!("has {token:?}, which is not a token id")))?;
+        let bias = bias.as_f64().ok_or_else(|| bad(&format!("gives token {token} a bias that is not a number")))?;
+        out.push((token, bias.clamp(-100.0, 100.0) as f32));
+    }
+    Ok(out)
+}
+
+/// What the output must match: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+/// `structured_outputs` (`json`, `json_object`, `regex`, `grammar`, `choice`), mapped as vLLM's
+/// server maps them.
+fn constraint(body: &Value) -> Result<Option<Constraint>, ApiError> {
+    let given = |key: &str| body.get(key).filter(|v| !v.is_null());
+    match (given("response_format"), given("structured_outputs")) {
+        (Some(_), Some(_)) => {
+            Err(ApiError::invalid("structured_outputs", "give `response_format` or `structured_outputs`, not both"))
+        }
+        (Some(format), None) => response_format(format),
+        (None, Some(outputs)) => structured_outputs(outputs),
+        (None, None) => Ok(None),
+    }
+}
+
+fn response_format(format: &Value) -> Result<Option<Constraint>, ApiError> {
+    let bad = |why: String| ApiError::invalid("response_format", format!("`response_format` {why}"));
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let schema =
+                format.get("json_schema").and_then(|j| j.get("schema")).filter(|s| s.is_object()).ok_or_else(|| {
+                    bad("of type json_schema needs `json_schema.schema`, a JSON schema object".into())
+                })?;
+            Ok(Some(Constraint::JsonSchema(schema.to_string())))
+        }
+        Some("structural_tag") => Err(unsupported("response_format", "of type structural_tag")),
+        Some(other) => Err(bad(format!("has type {other:?}; text, json_object or json_schema"))),
+        None => Err(bad("needs a `type`".into())),
+    }
+}
+
+fn structured_outputs(outputs: &Value) -> Result<Option<Constraint>, ApiError> {
+    let bad = |why: &str| ApiError::invalid("structured_outputs", format!("`structured_outputs` {why}"));
+    let Some(fields) = outputs.as_object() else { return Err(bad("must be an object")) };
+    let mut found = Vec::new();
+    for (key, v) in fields.iter().filter(|(_, v)| !v.is_null()) {
+        let c = match (key.as_str(), v) {
+            ("json", Value::String(schema)) => Constraint::JsonSchema(schema.clone()),
+            ("json", schema @ Value::Object(_)) => Constraint::JsonSchema(schema.to_string()),
+            ("json_object", Value::Bool(true)) => Constraint::JsonObject,
+            ("json_object", Value::Bool(false)) => continue,
+            ("regex", Value::String(r)) => Constraint::Regex(r.clone()),
+            ("grammar", Value::String(g)) => Constraint::Grammar(g.clone()),
+            ("choice", Value::Array(items)) => Constraint::Choice(
+                items
+                    .iter()
+                    .map(|i| i.as_str().map(str::to_owned))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| bad("`choice` must be an array of strings"))?,
+            ),
+            ("json" | "json_object" | "regex" | "grammar" | "choice", _) => {
+                return Err(bad(&format!("`{key}` has the wrong type")));
+            }
+            (other, _) => return Err(unsupported(&format!("structured_outputs.{other}"), "")),
+        };
+        found.push(c);
+    }
+    match found.len() {
+        0 => Ok(None),
+        1 => Ok(found.pop()),
+        _ => Err(bad("may give only one of json, json_object, regex, grammar and choice")),
+    }
+}
+
+fn unsupported(key: &str, why: &str) -> ApiError {
+    ApiError::invalid(key, format!("`{key}` {why} is not supported with gRPC workers yet"))
+}
+
+impl Plan {
+    /// Reads what `body` asks for. `model` names the response's model when the request does not.
+    pub fn from_request(endpoint: Endpoint, body: &Value, model: &str) -> Result<Plan, ApiError> {
+        if !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) {
+            return Err(ApiError::InvalidRequest {
+                param: None,
+                message: format!(
+                    "{} is not served by gRPC workers yet: only /v1/chat/completions and /v1/completions",
+                    endpoint.path()
+                ),
+            });
+        }
+        let Some(fields) = body.as_object() else {
+            return Err(ApiError::InvalidRequest {
+                param: None,
+                message: "the request body must be a JSON object".into(),
+            });
+        };
+        let own: &[&str] = if endpoint == Endpoint::Chat { CHAT_ONLY } else { COMPLETIONS_ONLY };
+        for key in fields.keys() {
+            if !ACCEPTED.contains(&key.as_str()) && !own.contains(&key.as_str()) {
+                return Err(unsupported(key, ""));
+            }
+        }
+        if body.get("tools").is_some_and(|t| !t.is_null())
+            && body.get("tool_choice").and_then(Value::as_str) != Some("none")
+        {
+            // Tool calls are parsed in the gateway in a later step; the model's text would come back
+            // as content, which a client asking for tools does not expect.
+            return Err(unsupported("tools", "(tool calls are not parsed yet; `tool_choice: \"none\"` works)"));
+        }
+        let logprobs_asked = match endpoint {
+            Endpoint::Chat => flag(body, "logprobs", false)?,
+            _ => body.get("logprobs").is_some_and(|v| !v.is_null()),
+        };
+        if logprobs_asked {
+            return Err(unsupported("logprobs", ""));
+        }
+        if flag(body, "echo", false)? {
+            return Err(unsupported("echo", ""));
+        }
+        let n = integer(body, "n")?.unwrap_or(1);
+        let n = u32::try_from(n)
+            .ok()
+            .filter(|n| (1..=MAX_N).contains(n))
+            .ok_or_else(|| ApiError::invalid("n", format!("`n` must be from 1 to {MAX_N}")))?;
+        let stop = match body.get("stop") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|s| s.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| ApiError::invalid("stop", "`stop` must be a string or an array of strings"))?,
+            Some(_) => return Err(ApiError::invalid("stop", "`stop` must be a string or an array of strings")),
+        };
+        let stop_token_ids = match body.get("stop_token_ids") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => kvgate_tokenizer::request::token_ids(v, "stop_token_ids")
+                .map_err(|e| ApiError::invalid("stop_token_ids", e.message))?,
+        };
+        let max_tokens = match endpoint {
+            Endpoint::Chat => integer(body, "max_completion_tokens")?.or(integer(body, "max_tokens")?),
+            // OpenAI's and vLLM's default for completions.
+            _ => Some(integer(body, "max_tokens")?.unwrap_or(16)),
+        };
+        let max_tokens = max_tokens
+            .map(|m| {
+                u32::try_from(m).map_err(|_| ApiError::invalid("max_tokens", "`max_tokens` must be from 0 to 2^32-1"))
+            })
+            .transpose()?;
+        let min_tokens = integer(body, "min_tokens")?.unwrap_or(0);
+        let min_tokens = u32::try_from(min_tokens)
+            .map_err(|_| ApiError::invalid("min_tokens", "`min_tokens` must be a non-negative integer"))?;
+        let seed = integer(body, "seed")?
+            .map(|s| i32::try_from(s).map_err(|_| ApiError::invalid("seed", "`seed` must fit in 32 bits")))
+            .transpose()?;
+        let top_k = integer(body, "top_k")?
+            .map(|k| i32::try_from(k).map_err(|_| ApiError::invalid("top_k", "`top_k` must fit in 32 bits")))
+            .transpose()?;
+        let logit_bias = logit_bias(body)?;
+        let constraint = constraint(body)?;
+        let f = |key| number(body, key).map(|v| v.map(|x| x as f32));
+        let include_stop = flag(body, "include_stop_str_in_output", false)?;
+        let sampling = Sampling {
+            temperature: f("temperature")?,
+            top_p: f("top_p")?,
+            top_k,
+            min_p: f("min_p")?,
+            frequency_penalty: f("frequency_penalty")?,
+            presence_penalty: f("presence_penalty")?,
+            repetition_penalty: f("repetition_penalty")?,
+            max_tokens,
+            min_tokens,
+            stop_token_ids,
+            stop: stop.clone(),
+            include_stop_str_in_output: include_stop,
+            skip_special_tokens: flag(body, "skip_special_tokens", true)?,
+            ignore_eos: flag(body, "ignore_eos", false)?,
+            n,
+            seed,
+            logit_bias,
+            constraint,
+        };
+        let include_usage =
+            body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+        Ok(Plan {
+            endpoint,
+            model: body.get("model").and_then(Value::as_str).unwrap_or(model).to_owned(),
+            max_tokens_from_context: max_tokens.is_none(),
+            sampling,
+            stop: StopRule { stop, include_stop_str_in_output: include_stop, min_tokens: min_tokens as usize },
+            include_usage,
+        })
+    }
+}
+
+/// How a finished sequence ended, as OpenAI names it, and what `stop_reason` vLLM adds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finish {
+    /// `stop`, `length` or `abort`.
+    pub reason: String,
+    /// The stop string or token id that ended it.
+    pub stop_reason: Value,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub completion_tokens: u64,
+    /// Prompt tokens the worker served from its prefix cache.
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    fn to_json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+/// The identity every chunk and body of one response carries.
+#[derive(Debug, Clone)]
+pub struct ResponseHead {
+    /// `chatcmpl-...` or `cmpl-...`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model name.
+    pub model: String,
+    /// Chat or completions.
+    pub endpoint: Endpoint,
+}
+
+impl ResponseHead {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            _ => "text_completion",
+        }
+    }
+
+    fn with(&self, chunk: bool, choices: Value) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), Value::from(self.id.clone()));
+        m.insert("object".into(), Value::from(self.object(chunk)));
+        m.insert("created".into(), Value::from(self.created));
+        m.insert("model".into(), Value::from(self.model.clone()));
+        m.insert("choices".into(), choices);
+        m
+    }
+
+    /// The first chunk of a chat stream for choice `index`: the assistant's role.
+    pub fn role_chunk(&self, index: u32) -> Value {
+        Value::Object(self.with(
+            true,
+            json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+        ))
+    }
+
+    /// A chunk of new text of choice `index` (and, on its last one, how the sequence ended).
+    pub fn text_chunk(&self, index: u32, text: &str, finish: Option<&Finish>) -> Value {
+        let (finish_reason, stop_reason) = match finish {
+            Some(f) => (Value::from(f.reason.clone()), f.stop_reason.clone()),
+            None => (Value::Null, Value::Null),
+        };
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+            }
+            _ => {
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+            }
+        };
+        Value::Object(self.with(true, json!([choice])))
+    }
+
+    /// The usage chunk that ends a stream when `stream_options.include_usage` asks for it.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut m = self.with(true, json!([]));
+        m.insert("usage".into(), usage.to_json());
+        Value::Object(m)
+    }
+
+    /// The whole response of a request that did not stream: each choice's text and how it ended,
+    /// in index order.
+    pub fn body(&self, choices: &[(String, Finish)], usage: Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, (text, finish))| match self.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "logprobs": null,
+                    "finish_reason": finish.reason,
+                    "stop_reason": finish.stop_reason,
+                }),
+                _ => json!({
+                    "index": index,
+                    "text": text,
+                    "logprobs": null,
+                    "finish_reason": finish.reason,
+                    "stop_reason": finish.stop_reason,
+                }),
+            })
+            .collect();
+        let mut m = self.with(false, Value::Array(choices));
+        m.insert("usage".into(), usage.to_json());
+        Value::Object(m)
+    }
+}
+
+/// One SSE event.
+pub fn sse(value: &Value) -> String {
+    format!("data: {value}\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_fields_are_read_and_defaults_follow_openai() {
+        let body = json!({"model": "m", "prompt": "hi", "temperature": 0, "top_k": 5, "stop": "\n", "seed": 7,
+                          "stream_options": {"include_usage": true}});
+        let plan = Plan::from_request(Endpoint::Completions, &body, "served").unwrap();
+        assert_eq!(plan.sampling.temperature, Some(0.0));
+        assert_eq!(plan.sampling.top_k, Some(5));
+        assert_eq!(plan.sampling.max_tokens, Some(16), "completions default to 16 tokens, as OpenAI and vLLM do");
+        assert_eq!(plan.stop.stop, vec!["\n".to_owned()]);
+        assert_eq!(plan.sampling.seed, Some(7));
+        assert!(plan.include_usage);
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9});
+        let plan = Plan::from_request(Endpoint::Chat, &chat, "served").unwrap();
+        assert_eq!((plan.sampling.max_tokens, plan.model.as_str()), (Some(9), "served"));
+        let open = Plan::from_request(Endpoint::Chat, &json!({"messages": []}), "m").unwrap();
+        assert!(open.max_tokens_from_context);
+    }
+
+    #[test]
+    fn what_a_worker_cannot_honour_is_refused_by_name() {
+        let err = |endpoint, body: Value| Plan::from_request(endpoint, &body, "m").unwrap_err().to_string();
+        assert!(err(Endpoint::Chat, json!({"messages": [], "logit_bias": {"x": 2}})).contains("not a token id"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "logit_bias": {"1": "a"}})).contains("`logit_bias`"));
+        let biased = json!({"messages": [], "logit_bias": {"7": 500, "9": -1.5}});
+        let plan = Plan::from_request(Endpoint::Chat, &biased, "m").unwrap();
+        assert_eq!(plan.sampling.logit_bias, vec![(7, 100.0), (9, -1.5)], "clamped to ±100 as vLLM does");
+        assert!(err(Endpoint::Chat, json!({"messages": [], "response_format": {}})).contains("`response_format`"));
+        let structural = json!({"messages": [], "response_format": {"type": "structural_tag"}});
+        assert!(err(Endpoint::Chat, structural).contains("structural_tag"));
+        let two = json!({"messages": [], "structured_outputs": {"regex": "a", "choice": ["b"]}});
+        assert!(err(Endpoint::Chat, two).contains("only one"));
+        let unknown = json!({"messages": [], "structured_outputs": {"whitespace_pattern": " "}});
+        assert!(err(Endpoint::Chat, unknown).contains("structured_outputs.whitespace_pattern"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "n": 0})).contains("`n` must be from 1"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "n": 129})).contains("`n` must be from 1"));
+        assert_eq!(Plan::from_request(Endpoint::Chat, &json!({"messages": [], "n": 3}), "m").unwrap().sampling.n, 3);
+        // Bookkeeping fields change nothing the worker generates: taken, not refused.
+        let benign = json!({"messages": [], "metadata": {"a": "b"}, "store": false, "service_tier": "auto"});
+        assert!(Plan::from_request(Endpoint::Chat, &benign, "m").is_ok());
+        assert!(err(Endpoint::Chat, json!({"messages": [], "logprobs": true})).contains("`logprobs`"));
+        assert!(err(Endpoint::Completions, json!({"prompt": "x", "logprobs": 2})).contains("`logprobs`"));
+        assert!(err(Endpoint::Completions, json!({"prompt": "x", "messages": []})).contains("`messages`"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "tools": [{}]})).contains("tool"));
+        assert!(err(Endpoint::Embeddings, json!({"input": "x"})).contains("/v1/embeddings"));
+        assert!(Plan::from_request(
+            Endpoint::Chat,
+            &json!({"messages": [], "tools": [{}], "tool_choice": "none"}),
+            "m"
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn structured_outputs_are_mapped_as_vllms_server_maps_them() {
+        let plan = |body: Value| Plan::from_request(Endpoint::Chat, &body, "m").unwrap().sampling.constraint;
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let format = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
+        assert_eq!(
+            plan(json!({"messages": [], "response_format": format})),
+            Some(Constraint::JsonSchema(schema.to_string()))
+        );
+        assert_eq!(
+            plan(json!({"messages": [], "response_format": {"type": "json_object"}})),
+            Some(Constraint::JsonObject)
+        );
+        assert_eq!(plan(json!({"messages": [], "response_format": {"type": "text"}})), None);
+        assert_eq!(
+            plan(json!({"messages": [], "structured_outputs": {"regex": "[0-9]+"}})),
+            Some(Constraint::Regex("[0-9]+".into()))
+        );
+        assert_eq!(
+            plan(json!({"messages": [], "structured_outputs": {"choice": ["yes", "no"]}})),
+            Some(Constraint::Choice(vec!["yes".into(), "no".into()]))
+        );
+    }
+
+    #[test]
+    fn chunks_and_bodies_have_vllms_shapes() {
+        let head = ResponseHead { id: "chatcmpl-1".into(), created: 5, model: "m".into(), endpoint: Endpoint::Chat };
+        assert_eq!(head.role_chunk(1)["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(head.role_chunk(1)["choices"][0]["index"], 1);
+        let stop = Finish { reason: "stop".into(), stop_reason: Value::from("\n") };
+        let last = head.text_chunk(0, "", Some(&stop));
+        assert_eq!(last["choices"][0]["finish_reason"], "stop");
+        assert_eq!(last["choices"][0]["delta"], json!({}));
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_tokens: 2 };
+        let body = head.body(&[("hello".into(), stop.clone()), ("bye".into(), stop)], usage);
+        assert_eq!(body["object"], "chat.completion");
+        assert_eq!(body["choices"][0]["message"]["content"], "hello");
+        assert_eq!(
+            (body["choices"][1]["index"].as_u64(), body["choices"][1]["message"]["content"].as_str()),
+            (Some(1), Some("bye"))
+        );
+        assert_eq!(body["usage"]["total_tokens"], 7);
+        assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(sse(&head.usage_chunk(usage)).lines().next().unwrap().get(..6), Some("data: "));
+    }
+}

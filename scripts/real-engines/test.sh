@@ -21,8 +21,23 @@ cleanup() {
 }
 cleanup
 trap cleanup EXIT
+# A failed run's engine logs are kept in target/real-engines/failed-RUNTIME/ and their last lines
+# printed, so that a CI log says what the engines did (the run directories go with the cleanup).
+keep_logs() {
+  local keep="target/real-engines/failed-$1"
+  rm -rf "$keep" && mkdir -p "$keep"
+  cp target/real-engines/run-*/*.log "$keep"/ 2>/dev/null || true
+  for log in "$keep"/*.log; do
+    [ -e "$log" ] || continue
+    echo "== last lines of $log"
+    tail -n 40 "$log"
+  done
+}
 for runtime in ${KVGATE_REAL_RUNTIMES:-vllm sglang}; do
   echo "== real-engine suite: $runtime fleet"
-  KVGATE_REAL_RUNTIME="$runtime" cargo test -p kvgate-real-engines --test real_engines "$@"
+  if ! KVGATE_REAL_RUNTIME="$runtime" cargo test -p kvgate-real-engines --test real_engines "$@"; then
+    keep_logs "$runtime"
+    exit 1
+  fi
   cleanup
 done

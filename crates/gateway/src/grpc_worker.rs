@@ -261,6 +261,7 @@ impl GrpcWorker {
     /// service (the servicers answer it from the engine's state, and SGLang's from whether its
     /// scheduler is stuck, without generating anything), or, from a worker without the standard
     /// service, the protocol's own `HealthCheck` (which makes an SGLang worker generate a token).
+    /// An SGLang worker's NOT_SERVING is confirmed with its own `HealthCheck` before it counts.
     pub async fn health(&self, timeout: Duration) -> Result<bool, Status> {
         let runtime = self.runtime(timeout).await?;
         if !self.without_standard_health.load(Ordering::Relaxed) {
@@ -272,8 +273,20 @@ impl GrpcWorker {
             let mut client = tonic_health::pb::health_client::HealthClient::new(self.channel());
             match client.check(request(asked, timeout)).await {
                 Ok(answer) => {
-                    return Ok(answer.into_inner().status
-                        == tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+                    let serving = answer.into_inner().status
+                        == tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+                    // SGLang's servicer says NOT_SERVING when its scheduler has been silent for 30 s
+                    // with a request pending, and counts the silence from the scheduler's last
+                    // output, not from when the request came: the first request after half a
+                    // minute of idleness reads as a stuck scheduler until its first output (seen:
+                    // "Scheduler not responsive: 75.8s since last receive, 1 pending requests" for
+                    // a 115-ms request; in CI a slower one took the worker out of rotation). The
+                    // worker's own HealthCheck settles it: healthy as soon as the scheduler outputs
+                    // anything, unhealthy at the deadline if it is really stuck.
+                    if serving || runtime != GrpcRuntime::Sglang {
+                        return Ok(serving);
+                    }
+                    tracing::debug!("the gRPC worker's readiness probe says NOT_SERVING: asking its own HealthCheck");
                 }
                 Err(s) if s.code() == Code::Unimplemented => {
                     tracing::info!("the gRPC worker has no grpc.health.v1 service: asking its own HealthCheck");

@@ -43,6 +43,8 @@ struct Seen {
     aborted: Vec<String>,
     /// Calls of the protocol's own `HealthCheck` (SGLang's generates a token for each).
     own_health_checks: usize,
+    /// The protocol's own `HealthCheck` answers unhealthy (a stuck scheduler).
+    own_unhealthy: bool,
 }
 
 /// One subscription's sending end: what the test sends, the gateway receives.
@@ -158,8 +160,9 @@ impl SglangScheduler for FakeScheduler {
         &self,
         _: Request<pb::HealthCheckRequest>,
     ) -> Result<Response<pb::HealthCheckResponse>, Status> {
-        self.seen.lock().own_health_checks += 1;
-        Ok(Response::new(pb::HealthCheckResponse { healthy: true, message: String::new() }))
+        let mut seen = self.seen.lock();
+        seen.own_health_checks += 1;
+        Ok(Response::new(pb::HealthCheckResponse { healthy: !seen.own_unhealthy, message: String::new() }))
     }
 
     async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
@@ -771,13 +774,22 @@ async fn health_comes_from_grpc_health_v1_and_a_not_serving_worker_leaves_rotati
     let f = fixture(Duration::ZERO).await;
     assert_eq!(f.seen.lock().own_health_checks, 0, "the standard health service was asked, not the worker's own");
     let health = f.health.as_ref().unwrap();
+    // SGLang's NOT_SERVING (its "stuck scheduler" rule, which also fires on the first request after
+    // idleness) is checked with the worker's own HealthCheck: a scheduler that answers stays.
     health.set_not_serving::<SglangSchedulerServer<FakeScheduler>>().await;
+    let confirmed = f.gw.eventually(Duration::from_secs(10), |_| f.seen.lock().own_health_checks >= 5);
+    assert!(confirmed.await, "the worker's own HealthCheck was asked to confirm NOT_SERVING");
+    assert!(f.gw.state.engines.all()[0].healthy.load(Ordering::Relaxed), "a worker whose scheduler answers stays");
+    // A scheduler that does not answer either is out.
+    f.seen.lock().own_unhealthy = true;
     let out = f.gw.eventually(Duration::from_secs(10), |s| !s.engines.all()[0].healthy.load(Ordering::Relaxed));
     assert!(out.await, "a NOT_SERVING worker left rotation: {}", f.gw.get_json("/admin/workers").await);
     health.set_serving::<SglangSchedulerServer<FakeScheduler>>().await;
     let back = f.gw.eventually(Duration::from_secs(10), |s| s.engines.all()[0].healthy.load(Ordering::Relaxed));
     assert!(back.await, "a SERVING worker came back");
-    assert_eq!(f.seen.lock().own_health_checks, 0);
+    let asked = f.seen.lock().own_health_checks;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.seen.lock().own_health_checks, asked, "SERVING needs no confirmation");
 
     // A worker without grpc.health.v1: its own HealthCheck is asked.
     let f = fixture_with(Duration::ZERO, false, 50, false).await;

@@ -3,6 +3,7 @@
 
 pub mod fleet;
 pub mod replicas;
+pub mod tokenize;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -86,6 +87,8 @@ pub struct Metrics {
     pub local_resource_errors: Counter,
     /// Per-engine gauges of the router's view, set at each scrape.
     pub fleet: fleet::FleetGauges,
+    /// The prompt cache's counters, copied at each scrape.
+    pub tokenize_cache: tokenize::TokenizeCacheMetrics,
     /// Rereads of the workers file.
     pub workers_file_reloads: Counter,
     /// Entries of the workers file that could not be used at its last reread.
@@ -185,6 +188,7 @@ impl Metrics {
             local_resource_errors.clone(),
         );
         let fleet = fleet::FleetGauges::register(&mut registry);
+        let tokenize_cache = tokenize::TokenizeCacheMetrics::register(&mut registry);
         let workers_file_reloads = Counter::default();
         registry.register("workers_file_reloads", "Rereads of the workers file", workers_file_reloads.clone());
         let workers_file_errors = Gauge::default();
@@ -198,6 +202,7 @@ impl Metrics {
             replicas,
             registry,
             fleet,
+            tokenize_cache,
             workers_file_reloads,
             workers_file_errors,
             requests,

@@ -101,7 +101,8 @@ impl AppState {
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
         let router =
             Router::new(config.block_size, config.policy.clone()).map_err(|e| GatewayError::Config(e.to_string()))?;
-        let tokenizer = crate::tokenize::build(&config.tokenizer).map_err(|e| GatewayError::Config(e.to_string()))?;
+        let tokenizer = crate::tokenize::build(&config.tokenizer, config.tokenize_cache_bytes)
+            .map_err(|e| GatewayError::Config(e.to_string()))?;
         let mut engine_headers = reqwest::header::HeaderMap::new();
         if let Some(key) = &config.worker_api_key {
             let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))

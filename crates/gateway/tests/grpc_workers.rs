@@ -672,7 +672,7 @@ async fn a_gateway_without_a_tokenizer_takes_the_workers_own() {
     // A whole archive is taken: the same ids as the file it was made of.
     *f.bundle.lock() = Some((archive.clone(), kvgate_gateway::grpc_worker::sha256_hex(&archive)));
     kvgate_gateway::worker_tokenizer::resolve(&mut config, &cache, wait).await.unwrap();
-    let fetched = kvgate_gateway::tokenize::build(&config.tokenizer).unwrap();
+    let fetched = kvgate_gateway::tokenize::build(&config.tokenizer, config.tokenize_cache_bytes).unwrap();
     assert!(fetched.describe().contains(cache.to_str().unwrap()), "{}", fetched.describe());
     let direct = HfTokenizer::load(&tokenizer_path(), HfOptions::default()).unwrap();
     let text = "Hello 🙂 world, tokenized the same way twice.";
@@ -796,4 +796,38 @@ async fn health_comes_from_grpc_health_v1_and_a_not_serving_worker_leaves_rotati
     let asked = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().own_health_checks > 0);
     assert!(asked.await, "the worker's own HealthCheck was asked");
     assert_eq!(f.gw.get_json("/admin/workers").await["workers"][0]["healthy"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_sent_again_reaches_the_worker_with_its_exact_ids_from_the_prompt_cache() {
+    let f = fixture(Duration::ZERO).await;
+    let whole = HfTokenizer::load(&tokenizer_path(), HfOptions { prompt_cache_bytes: Some(0), ..HfOptions::default() })
+        .unwrap();
+    // About 2,400 tokens: well inside the fake worker's 4,096-token context.
+    let document: String =
+        (0..200).map(|i| format!("Paragraph {i} of the shared document says something new. ")).collect();
+    for question in ["What does it say?", "And what else does it say?"] {
+        let prompt = format!("{document}{question}");
+        let resp =
+            f.gw.post("/v1/completions", &json!({"model": "fake-model", "prompt": prompt, "max_tokens": 3})).await;
+        assert_eq!(resp.status(), 200);
+        let sent = f.seen.lock().generated.last().unwrap().clone();
+        let ids = sent.tokenized.unwrap().input_ids;
+        assert_eq!(
+            ids,
+            whole.encode_prompt(&prompt, true).unwrap(),
+            "the worker ran other ids than a whole tokenization"
+        );
+    }
+    let metrics = reqwest::get(f.gw.url("/metrics")).await.unwrap().text().await.unwrap();
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in {metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (hit, miss) = (value("kvgate_tokenize_cache_hit_bytes_total"), value("kvgate_tokenize_cache_miss_bytes_total"));
+    assert!(
+        hit > 0.8 * document.len() as f64,
+        "the second prompt's document came from the cache: hit {hit}, miss {miss}"
+    );
+    assert!(value("kvgate_tokenize_cache_bytes") > 0.0 && value("kvgate_tokenize_cache_capacity_bytes") > 0.0);
 }

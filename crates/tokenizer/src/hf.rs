@@ -18,6 +18,7 @@ use tokenizers::Tokenizer;
 
 use crate::conversation::{conversation, template_kwargs};
 use crate::detokenize::Detokenizer;
+use crate::prompt_cache::{Chunking, PromptCache, PromptCacheStats, DEFAULT_CACHE_BYTES};
 use crate::template::{ChatTemplate, ContentFormat, WallClock};
 use crate::{PromptTokenizer, TokenizeError};
 
@@ -31,6 +32,9 @@ pub struct HfOptions {
     pub content_format: ContentFormat,
     /// Unix seconds for templates that print the date; the system clock when `None`.
     pub clock: Option<WallClock>,
+    /// Memory for the token ids of long prompts' chunks, reused across requests
+    /// ([`crate::prompt_cache`]); `None` for [`DEFAULT_CACHE_BYTES`], `Some(0)` for no cache.
+    pub prompt_cache_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for HfOptions {
@@ -38,6 +42,7 @@ impl std::fmt::Debug for HfOptions {
         f.debug_struct("HfOptions")
             .field("chat_template", &self.chat_template)
             .field("content_format", &self.content_format)
+            .field("prompt_cache_bytes", &self.prompt_cache_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -61,6 +66,8 @@ pub struct HfTokenizer {
     clock: WallClock,
     source: String,
     template_origin: Option<PathBuf>,
+    /// Ids of long prompts' chunks; `Err` says why there is none.
+    prompt_cache: Result<PromptCache, String>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -132,8 +139,13 @@ impl HfTokenizer {
                 named.insert(name, compiled);
             }
         }
+        let tokenizer = Arc::new(tokenizer);
+        let prompt_cache = match options.prompt_cache_bytes.unwrap_or(DEFAULT_CACHE_BYTES) {
+            0 => Err("turned off".to_owned()),
+            bytes => PromptCache::new(tokenizer.clone(), bytes, Chunking::default()),
+        };
         Ok(HfTokenizer {
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
             template,
             named,
             special,
@@ -141,6 +153,7 @@ impl HfTokenizer {
             clock,
             source: format!("hf:{}", path.display()),
             template_origin: origin,
+            prompt_cache,
         })
     }
 
@@ -222,11 +235,19 @@ impl HfTokenizer {
         })
     }
 
+    /// The prompt cache, or why there is none (turned off, or a tokenizer whose prompts cannot be
+    /// cut exactly).
+    pub fn prompt_cache(&self) -> Result<&PromptCache, &str> {
+        self.prompt_cache.as_ref().map_err(String::as_str)
+    }
+
     fn encode(&self, text: &str, special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
-            .encode(text, special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+        if let Ok(cache) = &self.prompt_cache {
+            if let Some(ids) = cache.encode(text, special_tokens) {
+                return ids;
+            }
+        }
+        crate::prompt_cache::ids_of(&self.tokenizer, text, special_tokens)
     }
 }
 
@@ -254,6 +275,10 @@ impl PromptTokenizer for HfTokenizer {
 
     fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         self.encode(text, add_special_tokens)
+    }
+
+    fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
+        self.prompt_cache.as_ref().ok().map(PromptCache::stats)
     }
 
     fn detokenizer(&self, prompt: &[u32], skip_special_tokens: bool) -> Option<Detokenizer> {

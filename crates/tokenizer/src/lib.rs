@@ -14,6 +14,8 @@
 //!   it (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`).
 //! - [`template`]: the chat template compiled as `transformers` compiles it, and vLLM's detection of
 //!   whether it wants content as a string or as a list of parts.
+//! - [`prompt_cache`]: token ids of long prompts reused chunk by chunk, cut only where the
+//!   tokenizer provably splits.
 //! - [`detokenize`]: output token ids back to text as the engine's own server does, stop strings
 //!   included, for workers that answer with token ids only.
 //! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over.
@@ -28,6 +30,7 @@ pub mod builtin;
 pub mod conversation;
 pub mod detokenize;
 pub mod hf;
+pub mod prompt_cache;
 pub mod pyjson;
 pub mod request;
 pub mod strftime;
@@ -69,6 +72,10 @@ pub trait PromptTokenizer: Send + Sync {
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError>;
     /// Token ids of a chat request, as the engine computes them.
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+    /// What the prompt cache has done, for tokenizers that have one.
+    fn prompt_cache_stats(&self) -> Option<prompt_cache::PromptCacheStats> {
+        None
+    }
     /// A detokenizer for the output of a sequence generated after `prompt`; `None` for a tokenizer
     /// whose ids cannot be turned back into text (the built-in one, which hashes its pieces).
     fn detokenizer(&self, prompt: &[u32], skip_special_tokens: bool) -> Option<detokenize::Detokenizer> {

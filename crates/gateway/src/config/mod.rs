@@ -54,6 +54,7 @@ struct ServerTable {
     host: Option<String>,
     port: Option<u16>,
     max_body_bytes: Option<usize>,
+    tokenize_cache_mib: Option<u64>,
     request_timeout_s: Option<f64>,
     connect_timeout_ms: Option<u64>,
     upstream_keepalive_ms: Option<u64>,
@@ -155,6 +156,14 @@ pub const MAX_BODY_BYTES: Knob = Knob {
     max: 1_073_741_824.0,
     default: 8_388_608.0,
     meaning: "largest request body accepted; larger ones get 413",
+};
+/// See [`GatewayConfig::tokenize_cache_bytes`].
+pub const TOKENIZE_CACHE_MIB: Knob = Knob {
+    name: "tokenize_cache_mib",
+    min: 0.0,
+    max: 65_536.0,
+    default: 64.0,
+    meaning: "memory for the token ids of long prompts' chunks, reused by later prompts that repeat the text (a HuggingFace tokenizer's; 0 turns it off)",
 };
 /// See [`GatewayConfig::admission_wait_s`].
 pub const ADMISSION_WAIT_S: Knob = Knob {
@@ -285,6 +294,8 @@ pub struct GatewayConfig {
     pub worker_api_key: Option<String>,
     /// See [`MAX_BODY_BYTES`].
     pub max_body_bytes: usize,
+    /// See [`TOKENIZE_CACHE_MIB`]; in bytes.
+    pub tokenize_cache_bytes: usize,
     /// See [`REQUEST_TIMEOUT_S`].
     pub request_timeout: Duration,
     /// See [`CONNECT_TIMEOUT_MS`].
@@ -401,6 +412,7 @@ impl GatewayConfig {
             api_keys,
             admin_key,
             max_body_bytes: pick(MAX_BODY_BYTES, s.max_body_bytes.map(|v| v as f64))? as usize,
+            tokenize_cache_bytes: (pick(TOKENIZE_CACHE_MIB, s.tokenize_cache_mib.map(|v| v as f64))? as usize) << 20,
             request_timeout: Duration::from_secs_f64(pick(REQUEST_TIMEOUT_S, s.request_timeout_s)?),
             connect_timeout: Duration::from_millis(
                 pick(CONNECT_TIMEOUT_MS, s.connect_timeout_ms.map(|v| v as f64))? as u64
@@ -462,6 +474,7 @@ fn cfg_err(e: kvgate_core::CoreError) -> GatewayError {
 pub const KNOBS: &[Knob] = &[
     WORKERS_FILE_POLL_MS,
     MAX_BODY_BYTES,
+    TOKENIZE_CACHE_MIB,
     ADMISSION_WAIT_S,
     QUEUE_TIMEOUT_MS,
     MAX_QUEUED,

@@ -94,6 +94,10 @@ pub struct Overrides {
     /// Largest request body in bytes [default: 8388608].
     #[arg(long, visible_alias = "max-payload-size", env = "KVGATE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Memory in MiB for the token ids of long prompts' chunks, reused when later prompts repeat
+    /// the text; 0 turns the cache off [default: 64].
+    #[arg(long, env = "KVGATE_TOKENIZE_CACHE_MIB")]
+    pub tokenize_cache_mib: Option<u64>,
     /// Longest a non-streaming response may take, seconds [default: 600].
     #[arg(long, visible_alias = "request-timeout-secs", env = "KVGATE_REQUEST_TIMEOUT_S")]
     pub request_timeout_s: Option<f64>,
@@ -154,6 +158,7 @@ impl Overrides {
         set(&mut s.port, self.port);
         set(&mut s.block_size, self.block_size);
         set(&mut s.max_body_bytes, self.max_body_bytes);
+        set(&mut s.tokenize_cache_mib, self.tokenize_cache_mib);
         set(&mut s.request_timeout_s, self.request_timeout_s);
         set(&mut s.shutdown_grace_s, self.shutdown_grace_s);
         set(&mut s.header_timeout_ms, self.header_read_timeout_secs.map(|v| v.saturating_mul(1000)));

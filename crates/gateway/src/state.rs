@@ -65,6 +65,9 @@ pub struct AppState {
     pub engines: Arc<EngineRegistry>,
     /// Prompt tokenizer.
     pub tokenizer: Arc<dyn PromptTokenizer>,
+    /// Large prompts tokenized at once on the blocking pool: one fewer than the cores (at least
+    /// one), so the async workers that serve every other connection always have a core.
+    pub tokenize_slots: Arc<tokio::sync::Semaphore>,
     /// HTTP client for engines.
     pub http: reqwest::Client,
     /// Prometheus metrics.
@@ -130,6 +133,9 @@ impl AppState {
             clock,
             engines: Arc::new(EngineRegistry::default()),
             tokenizer,
+            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
+            )),
             http,
             metrics,
             replicas,

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A small chat request's latency through kvgate (a real tokenizer, prompt cache off) alone, and while
+# 16 connections send 32 KB prompts that miss every cache (the tokenize bench's unique-completion
+# workload). Needs nginx and wrk (Debian: nginx-light, wrk) and ../shared beside the checkout.
+# Usage: scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
+set -u
+KV=${1:?usage: small-beside-long.sh KVGATE_BIN TOKENIZER_JSON}; TOK=${2:?tokenizer.json}
+shared=$(cd "$(dirname "$0")/../../shared" && pwd) || { echo "../shared is missing" >&2; exit 1; }
+S=$(mktemp -d); UP=39201; PX=39202
+python3 $shared/tools/tokenize-bench/make_workloads.py "$S" || exit 1
+sed -e "s#SCRATCH#$S#g" -e "s#UPSTREAM#$UP#g" -e "s#PROXY#$PX#g" $shared/tools/proxy-bench/nginx.conf.template \
+  | sed -e 's#access_log off;#access_log off; client_body_buffer_size 1m;#' > "$S/nginx.conf"
+nginx -c "$S/nginx.conf" || exit 1
+KVGATE_TOKENIZE_CACHE_MIB=0 "$KV" serve --host 127.0.0.1 --port 39210 --worker "http://127.0.0.1:$UP" --tokenizer "$TOK" --chat-template $shared/tools/tokenize-bench/chatml.jinja >"$S/kv.log" 2>&1 &
+kv=$!
+body='{"model":"fake-model","prompt":"hi","max_tokens":8}'
+for _ in $(seq 60); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' -m 2 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:39210/v1/completions")" = 200 ] && break
+  sleep 0.5
+done
+cat > "$S/small.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"fake-model","messages":[{"role":"user","content":"Say hello in one short sentence."}],"max_tokens":8}'
+wrk.path = "/v1/chat/completions"
+LUA
+small() { wrk -t1 -c4 -d8s --latency -s "$S/small.lua" http://127.0.0.1:39210/ | awk -v n="$1" '/ 50%/{p50=$2} / 99%/{p99=$2} /Requests\/sec/{r=$2} END{printf "%-34s req/s %9s  p50 %9s  p99 %9s\n", n, r, p50, p99}'; }
+for round in 1 2; do
+  small "small alone"
+  wrk -t1 -c16 -d12s -s "$S/unique-completion.lua" http://127.0.0.1:39210/ > "$S/big.out" 2>&1 &
+  big=$!
+  sleep 2
+  small "small beside 32 KB prompts (misses)"
+  wait $big
+  awk '/Requests\/sec/{print "  32 KB prompts meanwhile: req/s " $2}' "$S/big.out"
+done
+kill $kv; kill "$(cat "$S/nginx.pid")"

@@ -504,31 +504,30 @@ fn positive(v: i32) -> Option<u64> {
     u64::try_from(v).ok().filter(|&n| n > 0)
 }
 
+/// One rank's load from either runtime's `SchedulerLoad`: the same fields under different generated
+/// types, so one macro body serves both.
+macro_rules! rank_load_from {
+    ($l:expr) => {
+        RankLoad {
+            running: count($l.num_running_reqs),
+            waiting: count($l.num_waiting_reqs),
+            waiting_uncached_tokens: Some(count($l.num_waiting_uncached_tokens)),
+            used_tokens: Some(count($l.num_used_tokens)),
+            capacity_tokens: positive($l.max_total_num_tokens),
+            token_usage: $l.token_usage,
+            gen_throughput: $l.gen_throughput,
+            max_running_requests: positive($l.max_running_requests),
+        }
+    };
+}
+
 impl RankLoad {
     fn from_vllm(l: &vllm::SchedulerLoad) -> Self {
-        RankLoad {
-            running: count(l.num_running_reqs),
-            waiting: count(l.num_waiting_reqs),
-            waiting_uncached_tokens: Some(count(l.num_waiting_uncached_tokens)),
-            used_tokens: Some(count(l.num_used_tokens)),
-            capacity_tokens: positive(l.max_total_num_tokens),
-            token_usage: l.token_usage,
-            gen_throughput: l.gen_throughput,
-            max_running_requests: positive(l.max_running_requests),
-        }
+        rank_load_from!(l)
     }
 
     fn from_sglang(l: &sglang::SchedulerLoad) -> Self {
-        RankLoad {
-            running: count(l.num_running_reqs),
-            waiting: count(l.num_waiting_reqs),
-            waiting_uncached_tokens: Some(count(l.num_waiting_uncached_tokens)),
-            used_tokens: Some(count(l.num_used_tokens)),
-            capacity_tokens: positive(l.max_total_num_tokens),
-            token_usage: l.token_usage,
-            gen_throughput: l.gen_throughput,
-            max_running_requests: positive(l.max_running_requests),
-        }
+        rank_load_from!(l)
     }
 }
 

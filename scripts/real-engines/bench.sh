@@ -17,6 +17,10 @@
 #   REPEATS     rounds over the configs, each round in a rotated order (default 3)
 #   CONFIGS     comma-separated from kvgate-enforce, kvgate-off, smg-cache_aware, smg-round_robin
 #               (default: all four)
+# Engines are paced like GPUs (scripts/real-engines/pacer/kvgate_pacer.py): env PACE names the engine
+# profile (default llama3-8b-h100; `off` runs them unpaced, each step as fast as the CPU computes it)
+# and PACE_SCALE how many times slower than that GPU they run (default 4). kvgate is given the paced
+# rates; unpaced, the rates measured on this machine's CPU.
 # Prompts: each Mooncake hash id becomes a whole block of BLOCK tokens (env BLOCK, default 32) instead
 # of 512, prompts are cut to MAX_PROMPT tokens (env, default 3500), and outputs are a quarter of the
 # trace's, at most MAX_OUTPUT (env, default 64).
@@ -32,6 +36,8 @@ block="${BLOCK:-32}"
 max_prompt="${MAX_PROMPT:-3500}"
 max_output="${MAX_OUTPUT:-64}"
 runtime="${RUNTIME:-vllm}"
+pace="${PACE:-llama3-8b-h100}"
+pace_scale="${PACE_SCALE:-4}"
 case "$runtime" in
   vllm) cached_metric=vllm:prefix_cache_hits_total; prompt_metric=vllm:prefix_cache_queries_total ;;
   sglang) cached_metric=sglang:cached_tokens_total; prompt_metric=sglang:prompt_tokens_total ;;
@@ -55,6 +61,19 @@ if [ ! -x target/smg-venv/bin/smg ]; then
 fi
 cargo build --release -p kvgate --quiet
 kvgate=target/release/kvgate
+if [ "$pace" = off ]; then
+  # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
+  # ~3k decode tokens/s at 16 streams.
+  rates="prefill_tokens_per_s=20000,decode_tokens_per_s=3000"
+  unset KVGATE_PACE_PROFILE
+else
+  KVGATE_PACE_PROFILE=$("$kvgate" profile "$pace" --compact)
+  export KVGATE_PACE_PROFILE KVGATE_PACE_SCALE="$pace_scale"
+  rates=$("$kvgate" profile "$pace" --scale "$pace_scale" --compact | python3 -c '
+import json, sys
+p = json.load(sys.stdin)["paced"]
+print("prefill_tokens_per_s=%.0f,decode_tokens_per_s=%.0f" % (p["prefill_tokens_per_s"], p["decode_tokens_per_s"]))')
+fi
 
 # The slice: hash ids kept (equal ids, equal content), lengths scaled to BLOCK tokens a hash id.
 python3 - "$trace" "$rows" "$time_scale" "$block" "$max_prompt" "$max_output" > "$work/slice.jsonl" <<'PY'
@@ -105,9 +124,7 @@ start_router() {
   for i in $(seq 0 $((engines - 1))); do
     p=$(engine_port "$i")
     urls+=("http://127.0.0.1:$p")
-    # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
-    # ~3k decode tokens/s at 16 streams.
-    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),prefill_tokens_per_s=20000,decode_tokens_per_s=3000")
+    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),$rates")
   done
   case "$cfg" in
     kvgate-*)
@@ -202,7 +219,9 @@ PY
   done
 done
 
-python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" <<'PY'
+pace_label="unpaced"
+[ "$pace" = off ] || pace_label="paced as $pace x $pace_scale"
+python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" "$pace_label" <<'PY'
 import json, statistics, sys
 path, rows, engines, scale, kv, block, runtime = sys.argv[1:8]
 runs = [json.loads(l) for l in open(path)]
@@ -210,8 +229,9 @@ order = []
 for r in runs:
     if r["config"] not in order:
         order.append(r["config"])
+pace = sys.argv[8]
 print(f"aiperf replaying {rows} Mooncake conversation rows (timestamps / {scale}, hash id = {block} tokens) on {engines} "
-      f"real {runtime} engines ({kv} KV tokens each), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
+      f"real {runtime} engines ({kv} KV tokens each, {pace}), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
 print("| router | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | req/s | output tok/s | errors | engine prefix-cache hit rate |")
 print("|---|---|---|---|---|---|---|---|")
 def mean(xs):

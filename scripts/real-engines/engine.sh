@@ -29,9 +29,16 @@
 # backend) with the import-only `sgl_kernel` stand-in on PYTHONPATH; any call to the stand-in is
 # recorded in RUN_DIR/sgl_kernel-calls.log, which the suite requires to stay absent. Its page size is
 # the block size (32), --enable-metrics serves `sglang:*` on /metrics, --enable-cache-report puts
-# `cached_tokens` in usage, and its KV events get the same endpoint, replay socket and topic as vLLM's. The pid of the process group leader is in
+# `cached_tokens` in usage, --sleep-on-idle parks an idle scheduler on its sockets (by default it
+# polls them without pause: while a trial loaded one engine of the suite's fleet, top showed three
+# SGLang schedulers at 31-69% of a core each), and its KV events get the same endpoint, replay socket and topic as vLLM's. The pid of the process group leader is in
 # RUN_DIR/NAME.pid, its log in RUN_DIR/NAME.log. `stop` sends SIGTERM to the whole group, then
 # SIGKILL after 10 s. Everything lives under target/ (default RUN_DIR: target/real-engines/run).
+#
+# Paced like a GPU (scripts/real-engines/pacer/kvgate_pacer.py): with KVGATE_PACE_PROFILE set (the JSON
+# that `kvgate profile NAME` prints) each scheduler step takes the profile's step time for its batch,
+# times KVGATE_PACE_SCALE (default 1); each step is logged to RUN_DIR/NAME.pace.jsonl unless
+# KVGATE_PACE_LOG names another file.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 model="$root/target/real-engines/model"
@@ -98,6 +105,14 @@ case "$cmd" in
     # The longest sequence must fit the KV cache with a block to spare, or vLLM refuses to start.
     max_len=$((kv_bytes / 512 - 32))
     [ "$max_len" -gt 4096 ] && max_len=4096
+    # Pacing: the pacer's sitecustomize goes first on PYTHONPATH, so every process of the engine
+    # (the API server and the engine core it spawns) loads it.
+    pythonpath=""
+    if [ -n "${KVGATE_PACE_PROFILE:-}" ]; then
+      pythonpath="$root/scripts/real-engines/pacer"
+      export KVGATE_PACE_LOG="${KVGATE_PACE_LOG:-$run/$name.pace.jsonl}"
+      rm -f "$KVGATE_PACE_LOG"
+    fi
     kv_config=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$kv_endpoint" "$replay_port")
     # setsid: the engine and every process it forks share one process group, stopped as one.
     # Niced, in its own scheduler autogroup as well (setsid makes one, and a process's nice counts
@@ -109,7 +124,7 @@ case "$cmd" in
     niced=(setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' engine)
     if [ "$runtime" = vllm ] && [ "$transport" = grpc ]; then
       env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-        SMG_VLLM_SERVICER_WARMUP=off \
+        SMG_VLLM_SERVICER_WARMUP=off PYTHONPATH="$pythonpath" \
         VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
         VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
         "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.launchers.grpc_server \
@@ -119,7 +134,7 @@ case "$cmd" in
           --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     elif [ "$runtime" = vllm ]; then
       env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-        VLLM_SERVER_DEV_MODE=1 \
+        VLLM_SERVER_DEV_MODE=1 PYTHONPATH="$pythonpath" \
         VLLM_CACHE_ROOT="$run/$name.cache" TMPDIR="$run/$name.tmp" \
         VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
         "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
@@ -133,15 +148,17 @@ case "$cmd" in
       # In gRPC mode, /metrics would take PORT + 1, which may be another engine's: no metrics.
       sglang_mode=(--enable-metrics)
       [ "$transport" = grpc ] && sglang_mode=(--smg-grpc-mode)
+      # Paced, SGLang runs its normal loop (kvgate_pacer.py's _pace_sglang says why).
+      [ -n "$pythonpath" ] && sglang_mode+=(--disable-overlap-schedule)
       env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 SGLANG_USE_CPU_ENGINE=1 SMG_SGLANG_SERVICER_WARMUP=off \
-        PYTHONPATH="$root/scripts/real-engines/sglang-stand-in" KVGATE_SGL_KERNEL_LOG="$run/sgl_kernel-calls.log" \
+        PYTHONPATH="${pythonpath:+$pythonpath:}$root/scripts/real-engines/sglang-stand-in" KVGATE_SGL_KERNEL_LOG="$run/sgl_kernel-calls.log" \
         OMP_NUM_THREADS=1 \
         TMPDIR="$run/$name.tmp" XDG_CACHE_HOME="$run/$name.cache" TRITON_CACHE_DIR="$run/$name.cache/triton" \
         "${niced[@]}" "$venv/bin/python" -m sglang.launch_server \
           --model-path "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --device cpu --attention-backend torch_native --page-size 32 \
           --max-total-tokens "$((kv_bytes / 512))" --context-length "$max_len" \
-          "${sglang_mode[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template \
+          "${sglang_mode[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template --sleep-on-idle \
           --kv-events-config "$sglang_kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     fi
     echo $! > "$run/$name.pid"

@@ -26,7 +26,7 @@ trap cleanup EXIT
 keep_logs() {
   local keep="target/real-engines/failed-$1"
   rm -rf "$keep" && mkdir -p "$keep"
-  cp target/real-engines/run-*/*.log "$keep"/ 2>/dev/null || true
+  cp target/real-engines/run-*/*.log target/real-engines/run-*/*.pace.jsonl "$keep"/ 2>/dev/null || true
   for log in "$keep"/*.log; do
     [ -e "$log" ] || continue
     echo "== last lines of $log"

@@ -31,9 +31,10 @@ pub enum RunEngines {
     Real(Arc<Fleet>),
 }
 
-/// Rates measured on the development machine's CPU for the tiny model on vLLM (docs/benchmarks.md):
-/// ~20k prefill tokens/s, ~3k aggregate decode tokens/s at 16 streams. SGLang's engines are given
-/// the same: the demo compares policies on one fleet, not the engines with each other.
+/// Rates of unpaced engines, measured on the development machine's CPU for the tiny model on vLLM
+/// (docs/benchmarks.md): ~20k prefill tokens/s, ~3k aggregate decode tokens/s at 16 streams.
+/// SGLang's engines are given the same: the demo compares policies on one fleet, not the engines
+/// with each other. Paced engines are given their pacing's rates.
 const REAL_PREFILL_TPS: f64 = 20_000.0;
 const REAL_DECODE_TPS: f64 = 3_000.0;
 
@@ -131,8 +132,11 @@ impl RunEngines {
                     tokenizer.display()
                 );
                 for (i, e) in fleet.http_engines().into_iter().enumerate() {
+                    let (prefill, decode) = e.spec.pacing.as_ref().map_or((REAL_PREFILL_TPS, REAL_DECODE_TPS), |p| {
+                        (p.prefill_tokens_per_s(), p.decode_tokens_per_s())
+                    });
                     toml.push_str(&format!(
-                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"{}\"\nkv_events = \":{}\"\nreplay = \":{}\"\nprefill_tokens_per_s = {REAL_PREFILL_TPS}\ndecode_tokens_per_s = {REAL_DECODE_TPS}\n",
+                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"{}\"\nkv_events = \":{}\"\nreplay = \":{}\"\nprefill_tokens_per_s = {prefill:.0}\ndecode_tokens_per_s = {decode:.0}\n",
                         e.url(),
                         e.spec.runtime,
                         e.kv_port,

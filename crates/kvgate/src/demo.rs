@@ -81,6 +81,7 @@ fn start_real_fleet(
     workers: usize,
 ) -> anyhow::Result<kvgate_real_engines::fleet::Fleet> {
     use kvgate_real_engines::fleet::{repo_root, EngineSpec, Fleet, BYTES_PER_TOKEN};
+    use kvgate_real_engines::pacing::Pacing;
     let setup = repo_root().join("scripts/real-engines/setup.sh");
     if !setup.exists() {
         bail!("--engines {runtime} runs from the kvgate source tree ({} is missing)", setup.display());
@@ -90,26 +91,22 @@ fn start_real_fleet(
     if !status.success() {
         bail!("scripts/real-engines/setup.sh failed");
     }
-    eprintln!("starting {workers} {runtime} engines (about a minute)...");
+    eprintln!("starting {workers} {runtime} engines, paced like GPUs (about a minute)...");
     // 4,096 tokens of KV each: small enough that the hot prefix's owner queues under the burst.
-    let specs =
-        (0..workers).map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN).on(runtime)).collect();
+    // Paced (crates/real-engines/src/pacing.rs): engines that share the machine's cores would
+    // otherwise not be independent, as engines on their own GPUs are: one that looks idle has no
+    // capacity of its own while the others compute, and every policy that spreads work pays for
+    // it (unpaced, four engines on two cores gave `enforce` a TTFT p90 of 2.7–5.0 s against
+    // `cache_aware_seeded`'s 1.8–2.8, docs/mock-engine.md).
+    let specs = (0..workers)
+        .map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN).on(runtime).paced(Pacing::cpu_default()))
+        .collect();
     Fleet::start(specs, Duration::from_secs(600))
 }
 
 /// The CPU cores this process may use (1 if unknown).
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
-}
-
-/// Real engines by default: one per core, so that each has a core of its own, between 2 (fewer is no
-/// routing) and `most`. Each real engine computes on one thread. Engines that share cores are not
-/// independent, as engines on their own GPUs are: one that looks idle has no capacity of its own
-/// while the others compute, which no router can see, and every policy that spreads work then pays
-/// for it. Four engines on two cores gave `enforce` a TTFT p90 of 2.7–5.0 s against
-/// `cache_aware_seeded`'s 1.8–2.8 (docs/mock-engine.md).
-fn default_real_workers(cores: usize, most: usize) -> usize {
-    cores.clamp(2, most)
 }
 
 /// Runs `kvgate demo`.
@@ -119,7 +116,6 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     let base = if is_real { DemoConfig::for_real_engines() } else { DemoConfig::default() };
     let workers = match a.workers {
         Some(n) => n,
-        None if is_real => default_real_workers(cores(), base.workers),
         None => base.workers,
     };
     // Real engines are offered the same load each, however many there are.
@@ -135,10 +131,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     if is_real && a.speedup != 1.0 {
         bail!("--speedup applies to mock engines only: real engines run at their own speed");
     }
-    if is_real && workers > cores() {
+    if is_real && workers > 2 * cores() {
         eprintln!(
-            "note: {workers} engines share {} CPU cores: an engine that looks idle has no core of its own, so \
-             policies that spread work look worse than they would on GPUs",
+            "note: {workers} paced engines share {} CPU cores: their own compute may outrun their modeled \
+             steps (each engine's steps are in its *.pace.jsonl log)",
             cores()
         );
     }
@@ -289,17 +285,4 @@ pub fn mock_engine(a: MockEngineArgs) -> anyhow::Result<()> {
         engine.kill();
         Ok(())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::default_real_workers;
-
-    #[test]
-    fn real_engines_default_to_one_per_core_between_two_and_the_most() {
-        assert_eq!(default_real_workers(1, 4), 2);
-        assert_eq!(default_real_workers(2, 4), 2);
-        assert_eq!(default_real_workers(3, 4), 3);
-        assert_eq!(default_real_workers(64, 4), 4);
-    }
 }

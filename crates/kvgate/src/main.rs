@@ -59,6 +59,20 @@ enum Command {
     /// The one-command demo: mock engines and the gateway on loopback, a multi-prefix burst over
     /// real HTTP, once per mode (off, shadow, enforce) and once with the cache_aware baseline.
     Demo(Box<demo::DemoArgs>),
+    /// Print an engine profile as JSON: the step-time model and capacity that the simulator, mock
+    /// engines and paced real engines (`scripts/real-engines/pacer`) use.
+    Profile {
+        /// large-moe-h200 (a) or llama3-8b-h100 (b).
+        #[arg(default_value = "large-moe-h200")]
+        name: String,
+        /// Also print, under `paced`, the rates of a real engine paced this many times slower than
+        /// the profile (what kvgate's `prefill_tokens_per_s` and `decode_tokens_per_s` should be).
+        #[arg(long)]
+        scale: Option<f64>,
+        /// Print one line of JSON instead of indented JSON.
+        #[arg(long)]
+        compact: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -94,6 +108,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(*args),
         Command::MockEngine(args) => demo::mock_engine(*args),
         Command::Demo(args) => demo::run(*args),
+        Command::Profile { name, scale, compact } => {
+            let profile = kvgate_engine_model::EngineProfile::by_name(&name).with_context(|| {
+                format!("unknown profile {name:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)")
+            })?;
+            let mut json = serde_json::to_value(&profile)?;
+            if let Some(scale) = scale {
+                anyhow::ensure!(scale > 0.0 && scale <= 1000.0, "--scale must be in (0, 1000], not {scale}");
+                let pacing = kvgate_real_engines::pacing::Pacing { profile, scale };
+                json["paced"] = serde_json::json!({
+                    "scale": scale,
+                    "prefill_tokens_per_s": pacing.prefill_tokens_per_s().round(),
+                    "decode_tokens_per_s": pacing.decode_tokens_per_s().round(),
+                });
+            }
+            let text = if compact { serde_json::to_string(&json)? } else { serde_json::to_string_pretty(&json)? };
+            println!("{text}");
+            Ok(())
+        }
     }
 }
 

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+use crate::pacing::Pacing;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the repository root exists")
@@ -159,12 +161,27 @@ pub struct EngineSpec {
     pub kv_bytes: u64,
     /// Served as a gRPC worker (SMG's worker protocol) instead of the engine's OpenAI HTTP server.
     pub grpc: bool,
+    /// Paced like a GPU ([`crate::pacing`]), or free-running on the CPU.
+    pub pacing: Option<Pacing>,
 }
 
 impl EngineSpec {
     /// A vLLM engine that binds its KV-event socket.
     pub fn new(name: &str, kv_bytes: u64) -> Self {
-        EngineSpec { name: name.into(), runtime: Runtime::Vllm, kv_role: KvRole::EngineBinds, kv_bytes, grpc: false }
+        EngineSpec {
+            name: name.into(),
+            runtime: Runtime::Vllm,
+            kv_role: KvRole::EngineBinds,
+            kv_bytes,
+            grpc: false,
+            pacing: None,
+        }
+    }
+
+    /// The same engine paced like a GPU.
+    pub fn paced(mut self, pacing: Pacing) -> Self {
+        self.pacing = Some(pacing);
+        self
     }
 
     /// The same engine run by `runtime`.
@@ -224,8 +241,11 @@ fn script() -> PathBuf {
     repo_root().join("scripts/real-engines/engine.sh")
 }
 
-fn run_script(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("bash").arg(script()).args(args).output().context("cannot run engine.sh")?;
+fn run_script(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<()> {
+    let mut command = Command::new("bash");
+    command.arg(script()).args(args).env_remove("KVGATE_PACE_PROFILE").env_remove("KVGATE_PACE_LOG");
+    command.envs(env.iter().map(|(k, v)| (k, v)));
+    let out = command.output().context("cannot run engine.sh")?;
     if !out.status.success() {
         bail!("engine.sh {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
     }
@@ -316,31 +336,49 @@ impl Engine {
         self.run_dir.join(format!("{}.log", self.spec.name))
     }
 
+    /// The pacer's step log (one JSON line a step), for a paced engine.
+    pub fn pace_log(&self) -> PathBuf {
+        self.run_dir.join(format!("{}.pace.jsonl", self.spec.name))
+    }
+
+    /// This engine's `--worker` flag with the rates of its pacing, for kvgate to plan with.
+    pub fn paced_worker_flag(&self) -> String {
+        let rates = self.spec.pacing.as_ref().map(Pacing::worker_options).unwrap_or_default();
+        format!("{}{rates}", self.worker_flag())
+    }
+
     /// Starts the engine process (returns at once; see [`Engine::wait_ready`]).
     pub fn start(&self) -> anyhow::Result<()> {
-        run_script(&[
-            "start",
-            &self.spec.name,
-            &self.port.to_string(),
-            &self.engine_endpoint(),
-            &self.replay_port.to_string(),
-            &self.spec.kv_bytes.to_string(),
-            &self.run_dir.to_string_lossy(),
-            self.spec.runtime.name(),
-            if self.spec.grpc { "grpc" } else { "http" },
-        ])
+        let env = self.spec.pacing.as_ref().map(Pacing::env).unwrap_or_default();
+        run_script(
+            &[
+                "start",
+                &self.spec.name,
+                &self.port.to_string(),
+                &self.engine_endpoint(),
+                &self.replay_port.to_string(),
+                &self.spec.kv_bytes.to_string(),
+                &self.run_dir.to_string_lossy(),
+                self.spec.runtime.name(),
+                if self.spec.grpc { "grpc" } else { "http" },
+            ],
+            &env,
+        )
     }
 
     /// Waits until the engine serves `/v1/models` (a gRPC worker: until its gRPC health service says
     /// SERVING), failing early with its log if it exits.
     pub fn wait_ready(&self, timeout: Duration) -> anyhow::Result<()> {
-        run_script(&[
-            "wait",
-            &self.spec.name,
-            &self.port.to_string(),
-            &timeout.as_secs().to_string(),
-            &self.run_dir.to_string_lossy(),
-        ])
+        run_script(
+            &[
+                "wait",
+                &self.spec.name,
+                &self.port.to_string(),
+                &timeout.as_secs().to_string(),
+                &self.run_dir.to_string_lossy(),
+            ],
+            &[],
+        )
     }
 
     /// The process group leader's pid.
@@ -370,7 +408,7 @@ impl Engine {
 
     /// Stops the engine (SIGTERM to its group, then SIGKILL).
     pub fn stop(&self) -> anyhow::Result<()> {
-        run_script(&["stop", &self.spec.name, &self.run_dir.to_string_lossy()])
+        run_script(&["stop", &self.spec.name, &self.run_dir.to_string_lossy()], &[])
     }
 }
 

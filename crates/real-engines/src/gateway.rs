@@ -19,12 +19,12 @@ pub struct Gateway {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// The settings the suite runs kvgate with: quick polls and health checks so tests see changes within
-/// a fraction of a second, and no drain on shutdown.
+/// The settings the suite runs kvgate with: each engine with the rates of its pacing, quick polls
+/// and health checks so tests see changes within a fraction of a second, and no drain on shutdown.
 pub fn test_overrides(engines: &[&Engine]) -> Overrides {
     Overrides {
         port: Some(0),
-        workers: engines.iter().map(|e| e.worker_flag()).collect(),
+        workers: engines.iter().map(|e| e.paced_worker_flag()).collect(),
         block_size: Some(BLOCK_SIZE),
         tokenizer: Some(crate::fleet::model_dir().join("tokenizer.json").to_string_lossy().into_owned()),
         poll_interval_ms: Some(100),

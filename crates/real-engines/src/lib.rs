@@ -7,6 +7,7 @@
 //!
 //! - [`fleet`]: engines on free loopback ports, each in its own process group, stopped on drop.
 //! - [`gateway`]: kvgate in process, and the HTTP calls to it and to the engines.
+//! - [`pacing`]: engines paced like GPUs, so a fleet on shared cores behaves like independent GPUs.
 //! - [`recorder`]: a recording TCP proxy, for byte-for-byte stream comparisons.
 //!
 //! The suite itself is `tests/real_engines.rs`; `scripts/real-engines/test.sh` sets everything up
@@ -18,6 +19,7 @@
 
 pub mod fleet;
 pub mod gateway;
+pub mod pacing;
 pub mod recorder;
 
 /// Deterministic text of about `words` words, distinct for each `tag`: the tag starts it, so two

@@ -2,6 +2,10 @@
 //! (`KVGATE_REAL_RUNTIME=vllm|sglang`, vLLM when unset; `scripts/real-engines/test.sh` runs both,
 //! one fleet after the other).
 //!
+//! Every engine is paced like a GPU (`Pacing::cpu_default`: Llama 3 8B on one H100, four times
+//! slower): its steps take the modeled time, so engines that share the machine's cores do not slow
+//! each other down, and kvgate is told each engine's paced rates.
+//!
 //! One fleet serves every trial (engines take tens of seconds to start), so trials run one at a time
 //! and each uses prompts of its own. The same trials run on either runtime, reading each engine's own
 //! counters by that runtime's names. The fleet:
@@ -31,6 +35,7 @@ mod real {
     pub mod grpc;
     pub mod mixed;
     pub mod occupancy;
+    pub mod pacing;
     pub mod parity;
     pub mod responses;
     pub mod restart;
@@ -40,6 +45,7 @@ mod real {
 }
 
 use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime, BYTES_PER_TOKEN};
+use kvgate_real_engines::pacing::Pacing;
 
 /// Longest a trial may run before it fails (the engines share 2 cores).
 const TRIAL_TIMEOUT: Duration = Duration::from_secs(300);
@@ -62,6 +68,7 @@ fn common_trials() -> Vec<(&'static str, TrialFn)> {
         real::cache::kv_events_arrive_in_both_socket_roles,
         real::cache::cache_credit_equals_the_engines_own_prefix_cache_hits,
         real::streaming::streaming_through_kvgate_is_byte_for_byte_what_the_engine_sent,
+        real::pacing::a_paced_engine_steps_at_its_profiles_time_and_a_busy_neighbour_does_not_slow_it,
         real::routing::a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_become_owners,
         real::routing::a_prefix_asked_for_steadily_is_copied_to_an_idle_peer_that_then_holds_it,
         real::cache::eviction_shrinks_credit_with_the_engines_block_removed_events,
@@ -106,7 +113,7 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
 
 /// The fleet of one runtime's suite (see the module docs).
 fn fleet_of(runtime: Runtime) -> Vec<EngineSpec> {
-    let mut specs = vec![
+    let mut specs: Vec<EngineSpec> = vec![
         EngineSpec::new("a", 16_384 * BYTES_PER_TOKEN).on(runtime),
         EngineSpec::new("b", 16_384 * BYTES_PER_TOKEN).on(runtime).connecting(),
         EngineSpec::new("c", 2_048 * BYTES_PER_TOKEN).on(runtime),
@@ -116,7 +123,7 @@ fn fleet_of(runtime: Runtime) -> Vec<EngineSpec> {
     if runtime == Runtime::Sglang {
         specs.push(EngineSpec::new("v", 16_384 * BYTES_PER_TOKEN).on(Runtime::Vllm));
     }
-    specs
+    specs.into_iter().map(|s| s.paced(Pacing::cpu_default())).collect()
 }
 
 fn main() -> ExitCode {

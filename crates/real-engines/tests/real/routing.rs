@@ -134,8 +134,11 @@ pub async fn a_prefix_asked_for_steadily_is_copied_to_an_idle_peer_that_then_hol
 ) -> anyhow::Result<()> {
     let (a, b) = (fleet.engine("a"), fleet.engine("b"));
     let mut overrides = test_overrides(&[a, b]);
-    // Rates near what the CPU engines do (the calibration trial measures about 4-6k prefill tokens
-    // a second), so that a's running batch costs each request what it really does.
+    // Rates that make a's running batch cost each request about what it really does. The paced
+    // engines prefill 8,750 tokens a second, and a step of a few sequences takes about 29 ms, most
+    // of it the step's fixed cost: kvgate's linear model charges a running sequence 1/decode rate
+    // of a step, so a few sequences' 29 ms is some 100-200 tokens a second, not the full batch's
+    // 2,417 (a's batch here is the three clients').
     overrides.workers = [a, b]
         .iter()
         .map(|e| format!("{},prefill_tokens_per_s=5000,decode_tokens_per_s=200", e.worker_flag()))

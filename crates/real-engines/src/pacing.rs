@@ -1,0 +1,145 @@
+//! Real engines paced like GPUs (`scripts/real-engines/pacer/kvgate_pacer.py`): each scheduler step
+//! of a real vLLM or SGLang engine takes the step time kvgate's engine model gives a GPU for its
+//! batch, times a scale, so engines that share a few CPU cores stop slowing each other down.
+//!
+//! This module says how a fleet is paced (the profile and scale `engine.sh` hands the pacer), what
+//! kvgate should be told about a paced engine's rates, and reads the step log the pacer writes.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use kvgate_engine_model::EngineProfile;
+use serde_json::Value;
+
+/// How an engine is paced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pacing {
+    /// The modeled GPU (its step-time model).
+    pub profile: EngineProfile,
+    /// Wall seconds per modeled second: a CPU too slow to keep up with the GPU's own time runs the
+    /// same schedule this many times slower.
+    pub scale: f64,
+}
+
+/// The context a decode sequence is assumed to hold when a paced engine's full-batch decode rate is
+/// given to kvgate: the suite's prompts are a few hundred to a few thousand tokens.
+const TYPICAL_DECODE_CONTEXT: u64 = 1024;
+
+impl Pacing {
+    /// What the real-engine suite, `kvgate demo --engines vllm|sglang` and the benches run: Llama 3
+    /// 8B on one H100 (profile B), four times slower than the GPU. At that scale the tiny model's
+    /// own compute is a fifth to a quarter of a decode step on this project's 2-core machines
+    /// (docs/real-engines.md), which leaves room for four or five engines to step at once.
+    pub fn cpu_default() -> Pacing {
+        Pacing { profile: EngineProfile::llama3_8b_h100(), scale: 4.0 }
+    }
+
+    /// The environment `engine.sh` passes to the pacer.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let profile = serde_json::to_string(&self.profile).expect("a profile serializes");
+        vec![("KVGATE_PACE_PROFILE", profile), ("KVGATE_PACE_SCALE", self.scale.to_string())]
+    }
+
+    /// Modeled wall time of a step, in milliseconds: the profile's time times the scale.
+    pub fn step_ms(&self, decode_seqs: u64, decode_context: u64, prefill_tokens: u64) -> f64 {
+        self.profile.step_micros(decode_seqs, decode_context, prefill_tokens) as f64 / 1000.0 * self.scale
+    }
+
+    /// New prefill tokens per second of a paced engine.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.profile.prefill_tokens_per_s / self.scale
+    }
+
+    /// Decode tokens per second of a full batch (the profile's `max_running` sequences of
+    /// [`TYPICAL_DECODE_CONTEXT`] tokens), as kvgate's `decode_tokens_per_s` is given.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        self.profile.decode_tokens_per_s(u64::from(self.profile.max_running), TYPICAL_DECODE_CONTEXT) / self.scale
+    }
+
+    /// The rates a kvgate `--worker` flag should carry for an engine paced this way.
+    pub fn worker_options(&self) -> String {
+        format!(
+            ",prefill_tokens_per_s={:.0},decode_tokens_per_s={:.0}",
+            self.prefill_tokens_per_s(),
+            self.decode_tokens_per_s()
+        )
+    }
+}
+
+/// One step as the pacer logged it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PacedStep {
+    /// Decode sequences in the step.
+    pub decode_seqs: u64,
+    /// Their context tokens.
+    pub decode_context: u64,
+    /// New prefill tokens.
+    pub prefill_tokens: u64,
+    /// The modeled wall time (profile time × scale), ms.
+    pub target_ms: f64,
+    /// What the engine's own work took (scheduling and the tiny model's compute), ms.
+    pub compute_ms: f64,
+    /// From the step's start to its results' release, ms.
+    pub wall_ms: f64,
+}
+
+impl PacedStep {
+    /// Parses one line of the pacer's log.
+    pub fn parse(line: &str) -> anyhow::Result<PacedStep> {
+        let v: Value = serde_json::from_str(line).context("a pace log line is not JSON")?;
+        let count = |k: &str| v[k].as_u64().with_context(|| format!("a pace log line has no count {k}: {line}"));
+        let ms = |k: &str| v[k].as_f64().with_context(|| format!("a pace log line has no time {k}: {line}"));
+        Ok(PacedStep {
+            decode_seqs: count("decode_seqs")?,
+            decode_context: count("decode_context")?,
+            prefill_tokens: count("prefill_tokens")?,
+            target_ms: ms("target_ms")?,
+            compute_ms: ms("compute_ms")?,
+            wall_ms: ms("wall_ms")?,
+        })
+    }
+
+    /// Wall time over target: 1 is exact, above 1 late.
+    pub fn lateness(&self) -> f64 {
+        self.wall_ms / self.target_ms
+    }
+}
+
+/// Every step in a pacer's log file.
+pub fn read_steps(path: &Path) -> anyhow::Result<Vec<PacedStep>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the pace log {}", path.display()))?;
+    let steps: Vec<PacedStep> =
+        text.lines().filter(|l| !l.trim().is_empty()).map(PacedStep::parse).collect::<anyhow::Result<_>>()?;
+    if steps.is_empty() {
+        bail!("the pace log {} has no steps: is the engine paced?", path.display());
+    }
+    Ok(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_line_parses_and_its_lateness_is_wall_over_target() {
+        let line = r#"{"t": 1.5, "runtime": "vllm", "step": 3, "decode_seqs": 4, "decode_context": 2413, "prefill_tokens": 2044, "model_ms": 65.629, "target_ms": 262.516, "compute_ms": 18.461, "wall_ms": 265.141}"#;
+        let step = PacedStep::parse(line).unwrap();
+        assert_eq!((step.decode_seqs, step.decode_context, step.prefill_tokens), (4, 2413, 2044));
+        assert!((step.lateness() - 1.01).abs() < 1e-3);
+        assert!(PacedStep::parse(r#"{"decode_seqs": 1}"#).unwrap_err().to_string().contains("decode_context"));
+        assert!(PacedStep::parse("not json").is_err());
+    }
+
+    #[test]
+    fn the_cpu_default_scales_the_profiles_rates() {
+        let p = Pacing::cpu_default();
+        assert_eq!(p.prefill_tokens_per_s(), 35_000.0 / 4.0);
+        // 7 ms + 0.03 ms a sequence + 0.045 ms per 1k context, times 4.
+        assert!((p.step_ms(64, 64 * 4096, 0) - 4.0 * 20.716).abs() < 0.01, "{}", p.step_ms(64, 64 * 4096, 0));
+        assert!(p.worker_options().starts_with(",prefill_tokens_per_s=8750,decode_tokens_per_s="));
+        let env = p.env();
+        assert_eq!(env[1], ("KVGATE_PACE_SCALE", "4".to_string()));
+        let profile: EngineProfile = serde_json::from_str(&env[0].1).unwrap();
+        assert_eq!(profile, p.profile);
+    }
+}

@@ -38,41 +38,17 @@ max_output="${MAX_OUTPUT:-64}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
 pace_scale="${PACE_SCALE:-4}"
-case "$runtime" in
-  vllm) cached_metric=vllm:prefix_cache_hits_total; prompt_metric=vllm:prefix_cache_queries_total ;;
-  sglang) cached_metric=sglang:cached_tokens_total; prompt_metric=sglang:prompt_tokens_total ;;
-  *) echo "bench.sh: RUNTIME must be vllm or sglang, not $runtime" >&2; exit 2 ;;
-esac
 trace=../shared/data/traces/mooncake_conversation_trace.jsonl
 [ -f "$trace" ] || { echo "bench.sh: $trace is missing" >&2; exit 1; }
 work=target/real-engines/bench-$runtime
-run_dir="$work/run"
-model="$PWD/target/real-engines/model"
-mkdir -p "$work"
 
-scripts/real-engines/setup.sh
+# vLLM and SGLang report running requests, not their remaining output: kvgate assumes half this
+# slice's mean output (about 32 tokens) instead of the default 256.
+kvgate_toml=$'[telemetry]\npoll_interval_ms = 200\nassumed_decode_tokens = 32'
+source scripts/real-engines/bench-common.sh
 if [ ! -x target/bench-venv/bin/aiperf ]; then
   python3 -m venv target/bench-venv
   target/bench-venv/bin/pip install --quiet --disable-pip-version-check "aiperf==0.13.0"
-fi
-if [ ! -x target/smg-venv/bin/smg ]; then
-  python3 -m venv target/smg-venv
-  target/smg-venv/bin/pip install --quiet --disable-pip-version-check "smg==1.13.0"
-fi
-cargo build --release -p kvgate --quiet
-kvgate=target/release/kvgate
-if [ "$pace" = off ]; then
-  # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
-  # ~3k decode tokens/s at 16 streams.
-  rates="prefill_tokens_per_s=20000,decode_tokens_per_s=3000"
-  unset KVGATE_PACE_PROFILE
-else
-  KVGATE_PACE_PROFILE=$("$kvgate" profile "$pace" --compact)
-  export KVGATE_PACE_PROFILE KVGATE_PACE_SCALE="$pace_scale"
-  rates=$("$kvgate" profile "$pace" --scale "$pace_scale" --compact | python3 -c '
-import json, sys
-p = json.load(sys.stdin)["paced"]
-print("prefill_tokens_per_s=%.0f,decode_tokens_per_s=%.0f" % (p["prefill_tokens_per_s"], p["decode_tokens_per_s"]))')
 fi
 
 # The slice: hash ids kept (equal ids, equal content), lengths scaled to BLOCK tokens a hash id.
@@ -96,81 +72,6 @@ with open(path) as f:
         print(json.dumps(r))
 PY
 
-base=19000
-engine_port() { echo $((base + 10 * $1)); }
-router_port=$((base + 900))
-pids=()
-stop_all() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-  for i in $(seq 0 $((engines - 1))); do scripts/real-engines/engine.sh stop "e$i" "$run_dir" || true; done
-}
-trap stop_all EXIT
-
-start_fleet() {
-  for i in $(seq 0 $((engines - 1))); do
-    p=$(engine_port "$i")
-    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" "$runtime"
-  done
-  for i in $(seq 0 $((engines - 1))); do
-    scripts/real-engines/engine.sh wait "e$i" "$(engine_port "$i")" 300 "$run_dir"
-  done
-}
-
-start_router() {
-  local cfg="$1" log="$2"
-  local urls=() workers=()
-  for i in $(seq 0 $((engines - 1))); do
-    p=$(engine_port "$i")
-    urls+=("http://127.0.0.1:$p")
-    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),$rates")
-  done
-  case "$cfg" in
-    kvgate-*)
-      # vLLM and SGLang report running requests, not their remaining output: assume half this
-      # slice's mean output (about 32 tokens) instead of the default 256.
-      printf '[telemetry]\npoll_interval_ms = 200\nassumed_decode_tokens = 32\n' > "$work/kvgate.toml"
-      "$kvgate" serve --config "$work/kvgate.toml" --host 127.0.0.1 --port "$router_port" --block-size 32 \
-        --tokenizer "$model/tokenizer.json" --policy projected --mode "${cfg#kvgate-}" --admission-wait-s 0 \
-        "${workers[@]}" > "$log" 2>&1 &
-      ;;
-    smg-*)
-      target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
-        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" --log-level warn > "$log" 2>&1 &
-      ;;
-    *) echo "bench.sh: unknown config $cfg" >&2; exit 2 ;;
-  esac
-  pids+=($!)
-  local body='{"model":"tiny","messages":[{"role":"user","content":"warm"}],"max_tokens":1}'
-  for _ in $(seq 1 120); do
-    if [ "$(curl -s -o /dev/null -w '%{http_code}' -m 5 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$router_port/v1/chat/completions")" = 200 ]; then
-      return 0
-    fi
-    sleep 0.5
-  done
-  echo "bench.sh: $cfg did not answer; see $log" >&2
-  exit 1
-}
-
-fleet_cache() {
-  python3 - "$engines" "$base" "$cached_metric" "$prompt_metric" <<'PY'
-import sys, urllib.request
-n, base, cached, prompt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-hits = queries = 0.0
-for i in range(n):
-    text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics").read().decode()
-    for line in text.splitlines():
-        # Series only (`name{labels} value` or `name value`), summed over their labels.
-        if line.startswith(cached + "{") or line.startswith(cached + " "):
-            hits += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(prompt + "{") or line.startswith(prompt + " "):
-            queries += float(line.rsplit(" ", 1)[1])
-print(f"{hits:.0f} {queries:.0f}")
-PY
-}
-
-IFS=',' read -r -a config_list <<< "$configs"
 results="$work/results.jsonl"
 : > "$results"
 # aiperf 0.13's prompt-synthesis workers load the tokenizer in HF offline mode, which finds only hub
@@ -181,46 +82,53 @@ snapshot="$HF_HOME/hub/models--kvgate--tiny/snapshots/00000000000000000000000000
 mkdir -p "$snapshot" "$HF_HOME/hub/models--kvgate--tiny/refs"
 cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja "$model"/config.json "$snapshot/"
 echo -n 0000000000000000000000000000000000000000 > "$HF_HOME/hub/models--kvgate--tiny/refs/main"
-for rep in $(seq 1 "$repeats"); do
-  n=${#config_list[@]}
-  for k in $(seq 0 $((n - 1))); do
-    cfg=${config_list[$(((k + rep - 1) % n))]}
-    echo "[round $rep] $cfg: fresh fleet of $engines engines" >&2
-    start_fleet
-    start_router "$cfg" "$work/$cfg-$rep.router.log"
-    read -r hits0 queries0 < <(fleet_cache)
-    out="$work/aiperf-$cfg-$rep"
-    rm -rf "$out"
-    target/bench-venv/bin/aiperf profile --model tiny --tokenizer kvgate/tiny --endpoint-type chat --streaming \
-      --url "http://127.0.0.1:$router_port" --custom-dataset-type mooncake_trace --input-file "$work/slice.jsonl" \
-      --isl-block-size "$block" --fixed-schedule --extra-inputs ignore_eos:true --request-timeout-seconds 300 \
-      --no-server-metrics --no-gpu-telemetry --ui-type none --output-artifact-dir "$out" > "$work/aiperf-$cfg-$rep.log" 2>&1 \
-      || { echo "bench.sh: aiperf failed for $cfg; see $work/aiperf-$cfg-$rep.log" >&2; exit 1; }
-    read -r hits1 queries1 < <(fleet_cache)
-    python3 - "$out" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" >> "$results" <<'PY'
+# One run: aiperf replays the slice through the router, and the engines' counters and queues say what they did.
+replay_once() {
+  local cfg="$1" rep="$2"
+  read -r hits0 queries0 < <(fleet_cache)
+  read -r -a served0 < <(fleet_finished)
+  sample_queues "$work/queues-$cfg-$rep.jsonl" &
+  sampler=$!
+  out="$work/aiperf-$cfg-$rep"
+  rm -rf "$out"
+  target/bench-venv/bin/aiperf profile --model tiny --tokenizer kvgate/tiny --endpoint-type chat --streaming \
+    --url "http://127.0.0.1:$router_port" --custom-dataset-type mooncake_trace --input-file "$work/slice.jsonl" \
+    --isl-block-size "$block" --fixed-schedule --extra-inputs ignore_eos:true --request-timeout-seconds 300 \
+    --no-server-metrics --no-gpu-telemetry --ui-type none --output-artifact-dir "$out" > "$work/aiperf-$cfg-$rep.log" 2>&1 \
+    || { echo "bench.sh: aiperf failed for $cfg; see $work/aiperf-$cfg-$rep.log" >&2; exit 1; }
+  kill "$sampler" 2>/dev/null || true
+  wait "$sampler" 2>/dev/null || true
+  read -r hits1 queries1 < <(fleet_cache)
+  read -r -a served1 < <(fleet_finished)
+  served=$(for i in "${!served1[@]}"; do echo $((served1[i] - served0[i])); done | paste -sd,)
+  python3 - "$out" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" "$served" "$work/queues-$cfg-$rep.jsonl" >> "$results" <<'PY'
 import glob, json, sys
 out, cfg, rep, hits, queries = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+served = [int(x) for x in sys.argv[6].split(",")]
+samples = [json.loads(l) for l in open(sys.argv[7]) if l.strip()]
+queues = [[q for _, qs in samples if qs[i] is not None for q in [qs[i]]] for i in range(len(served))]
 files = sorted(glob.glob(f"{out}/**/*aiperf*.json", recursive=True))
 data = json.load(open(files[0]))
 m = data.get("records", data)
 def get(name, stat):
-    v = m.get(name, {})
-    return v.get(stat) if isinstance(v, dict) else None
+  v = m.get(name, {})
+  return v.get(stat) if isinstance(v, dict) else None
 print(json.dumps({
-    "config": cfg, "round": rep,
-    "ttft_ms": {p: get("time_to_first_token", p) for p in ("p50", "p90", "p99")},
-    "requests": get("request_count", "avg"), "errors": get("error_request_count", "avg") or 0,
-    "request_per_s": get("request_throughput", "avg"), "output_tok_per_s": get("output_token_throughput", "avg"),
-    "engine_hit_rate": hits / queries if queries else None, "prefill_tokens": queries - hits,
+  "config": cfg, "round": rep,
+  "ttft_ms": {p: get("time_to_first_token", p) for p in ("p50", "p90", "p99")},
+  "requests": get("request_count", "avg"), "errors": get("error_request_count", "avg") or 0,
+  "request_per_s": get("request_throughput", "avg"), "output_tok_per_s": get("output_token_throughput", "avg"),
+  "engine_hit_rate": hits / queries if queries else None, "prefill_tokens": queries - hits,
+  "shares": [round(x / max(1, sum(served)), 3) for x in served],
+  "waiting_mean": [round(sum(q) / len(q), 2) if q else None for q in queues],
+  "waiting_peak": [max(q) if q else None for q in queues],
+  "e2e_ms": {p: get("request_latency", p) for p in ("p50", "p90")},
 }))
 PY
-    tail -n 1 "$results" >&2
-    stop_all
-  done
-done
+  tail -n 1 "$results" >&2
+}
+for_each_run replay_once "$configs" "$repeats"
 
-pace_label="unpaced"
-[ "$pace" = off ] || pace_label="paced as $pace x $pace_scale"
 python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" "$pace_label" <<'PY'
 import json, statistics, sys
 path, rows, engines, scale, kv, block, runtime = sys.argv[1:8]
@@ -244,10 +152,12 @@ for c in order:
           f"{mean([r['output_tok_per_s'] for r in rs]):.0f} | {sum(int(r['errors'] or 0) for r in rs)} | "
           f"{mean([r['engine_hit_rate'] for r in rs]):.3f} |")
 print("\nEach run:\n")
-print("| router | round | TTFT p50 | p90 | p99 | req/s | errors | hit rate |")
-print("|---|---|---|---|---|---|---|---|")
+print("| router | round | TTFT p50 | p90 | p99 | req/s | errors | hit rate | engines' shares | mean / peak waiting |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for r in runs:
     t = r["ttft_ms"]
+    shares = " ".join(f"{x:.2f}" for x in r["shares"])
+    waiting = " ".join(f"{m:.1f}/{p:.0f}" for m, p in zip(r["waiting_mean"], r["waiting_peak"]) if m is not None)
     print(f"| {r['config']} | {r['round']} | {t['p50']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {r['request_per_s']:.2f} | "
-          f"{int(r['errors'] or 0)} | {r['engine_hit_rate']:.3f} |")
+          f"{int(r['errors'] or 0)} | {r['engine_hit_rate']:.3f} | {shares} | {waiting} |")
 PY

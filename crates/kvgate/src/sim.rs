@@ -70,9 +70,22 @@ pub struct SimArgs {
     /// Trace replay: use only the first N requests.
     #[arg(long)]
     limit: Option<usize>,
-    /// Engine profile: large-moe-h200 (a, default) or llama3-8b-h100 (b).
+    /// Engine profile: large-moe-h200 (a, default), llama3-8b-h100 (b), or a JSON file of one (the
+    /// form `kvgate profile NAME` prints), e.g. a paced real fleet's.
     #[arg(long, default_value = "large-moe-h200")]
     profile: String,
+    /// Queued prompt tokens the router assumes per waiting request when the engines report only
+    /// counts (vLLM), as `kvgate serve`'s `[telemetry] assumed_prompt_tokens` [default: 1024].
+    #[arg(long)]
+    assumed_prompt_tokens: Option<u64>,
+    /// Decode tokens the router assumes left per running request, as `kvgate serve`'s `[telemetry]
+    /// assumed_decode_tokens` [default: 256].
+    #[arg(long)]
+    assumed_decode_tokens: Option<u64>,
+    /// Mooncake replay: tokens each hash id stands for (the trace's own is 512; the real-engine
+    /// benches replay it at 32).
+    #[arg(long, default_value_t = workload::MOONCAKE_BLOCK_TOKENS)]
+    trace_block_tokens: u32,
     /// Inject a fault (repeatable): kv-delay, kv-loss, kv-loss-no-replay, disconnect, restart,
     /// stale-telemetry. Engine faults hit the hot owner (engine 0 by default).
     #[arg(long = "fault")]
@@ -213,11 +226,12 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
         "agentic" => workload::agentic(params),
-        "mooncake" => workload::mooncake(
+        "mooncake" => workload::mooncake_with_blocks(
             &trace("../shared/data/traces/mooncake_conversation_trace.jsonl"),
             a.workers.unwrap_or(16),
             a.speedup,
             a.limit,
+            a.trace_block_tokens,
         )?,
         "azure" => workload::azure(
             &trace("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
@@ -268,6 +282,12 @@ fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: P
         _ => profile.flavor,
     };
     cfg.knobs = knobs.clone();
+    if let Some(tokens) = a.assumed_prompt_tokens {
+        cfg.count_assumptions.prompt_tokens_per_waiting = tokens;
+    }
+    if let Some(tokens) = a.assumed_decode_tokens {
+        cfg.count_assumptions.decode_tokens_per_running = tokens;
+    }
     cfg.admission_wait_s = a.admission_wait_s;
     cfg.poll_interval = Duration::from_millis(a.poll_ms.max(1));
     cfg.kv_delay = Duration::from_millis(a.kv_delay_ms);
@@ -326,11 +346,49 @@ fn run_matrix(a: &SimArgs, names: &[String], profile: &EngineProfile, knobs: &Po
     Ok(())
 }
 
+/// A profile by name, or from a JSON file (checked: every rate and size positive, the step costs
+/// not negative).
+fn load_profile(name: &str) -> anyhow::Result<EngineProfile> {
+    if let Some(profile) = EngineProfile::by_name(name) {
+        return Ok(profile);
+    }
+    let path = std::path::Path::new(name);
+    if !path.is_file() {
+        bail!("unknown profile {name:?}: expected large-moe-h200 (a), llama3-8b-h100 (b) or a JSON file of a profile");
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the profile {name}"))?;
+    let p: EngineProfile =
+        serde_json::from_str(&text).with_context(|| format!("the profile {name} is not a profile's JSON"))?;
+    let positive = [("prefill_tokens_per_s", p.prefill_tokens_per_s), ("step_base_ms", p.step_base_ms)];
+    if let Some((field, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+        bail!("the profile {name}: {field} must be above 0, not {v}");
+    }
+    let costs = [("per_seq_ms", p.per_seq_ms), ("per_kilo_context_ms", p.per_kilo_context_ms)];
+    if let Some((field, v)) = costs.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+        bail!("the profile {name}: {field} must be 0 or more, not {v}");
+    }
+    if p.chunk_budget == 0 || p.max_running == 0 || p.kv_capacity_tokens == 0 || p.block_size == 0 {
+        bail!("the profile {name}: chunk_budget, max_running, kv_capacity_tokens and block_size must be above 0");
+    }
+    Ok(p)
+}
+
 /// Runs `kvgate sim`.
 pub fn run(a: SimArgs) -> anyhow::Result<()> {
-    let profile = EngineProfile::by_name(&a.profile).with_context(|| {
-        format!("unknown profile {:?}: expected large-moe-h200 (a) or llama3-8b-h100 (b)", a.profile)
-    })?;
+    let profile = load_profile(&a.profile)?;
+    if a.trace_block_tokens == 0 {
+        bail!("--trace-block-tokens must be at least 1");
+    }
+    for (flag, knob, value) in [
+        ("--assumed-prompt-tokens", kvgate_core::telemetry::ASSUMED_PROMPT_TOKENS, a.assumed_prompt_tokens),
+        ("--assumed-decode-tokens", kvgate_core::telemetry::ASSUMED_DECODE_TOKENS, a.assumed_decode_tokens),
+    ] {
+        if let Some(v) = value {
+            if !(knob.min..=knob.max).contains(&(v as f64)) {
+                bail!("{flag} must be between {} and {}, not {v}", knob.min, knob.max);
+            }
+        }
+    }
     let mut knobs = PolicyConfig::default();
     knobs.escape_seconds = a.escape_seconds.unwrap_or(knobs.escape_seconds);
     knobs.escape_waiting = a.escape_waiting.unwrap_or(knobs.escape_waiting);
@@ -394,4 +452,28 @@ pub fn write_reports(
         Format::Markdown => bail!("--format markdown is the simulator matrix's format: use table or json"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::load_profile;
+
+    #[test]
+    fn a_profile_loads_by_name_or_from_its_json_and_a_bad_one_says_which_field() {
+        assert_eq!(load_profile("b").unwrap().name, "llama3-8b-h100");
+        let dir = std::env::temp_dir().join(format!("kvgate-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut paced = kvgate_engine_model::EngineProfile::llama3_8b_h100();
+        paced.step_base_ms *= 4.0;
+        paced.block_size = 32;
+        let good = dir.join("paced.json");
+        std::fs::write(&good, serde_json::to_string(&paced).unwrap()).unwrap();
+        assert_eq!(load_profile(good.to_str().unwrap()).unwrap(), paced);
+        paced.per_seq_ms = -1.0;
+        let bad = dir.join("bad.json");
+        std::fs::write(&bad, serde_json::to_string(&paced).unwrap()).unwrap();
+        assert!(load_profile(bad.to_str().unwrap()).unwrap_err().to_string().contains("per_seq_ms"));
+        assert!(load_profile("no-such-profile").unwrap_err().to_string().contains("unknown profile"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

@@ -22,8 +22,9 @@ pub struct Pacing {
 }
 
 /// The context a decode sequence is assumed to hold when a paced engine's full-batch decode rate is
-/// given to kvgate: the suite's prompts are a few hundred to a few thousand tokens.
-const TYPICAL_DECODE_CONTEXT: u64 = 1024;
+/// given to kvgate: 4,096 tokens, as the simulator and the mock demo configure their routers, so a
+/// paced real fleet and its simulation route on the same rates.
+const DECODE_CONTEXT: u64 = 4096;
 
 impl Pacing {
     /// What the real-engine suite, `kvgate demo --engines vllm|sglang` and the benches run: Llama 3
@@ -51,9 +52,9 @@ impl Pacing {
     }
 
     /// Decode tokens per second of a full batch (the profile's `max_running` sequences of
-    /// [`TYPICAL_DECODE_CONTEXT`] tokens), as kvgate's `decode_tokens_per_s` is given.
+    /// [`DECODE_CONTEXT`] tokens), as kvgate's `decode_tokens_per_s` is given.
     pub fn decode_tokens_per_s(&self) -> f64 {
-        self.profile.decode_tokens_per_s(u64::from(self.profile.max_running), TYPICAL_DECODE_CONTEXT) / self.scale
+        self.profile.decode_tokens_per_s(u64::from(self.profile.max_running), DECODE_CONTEXT) / self.scale
     }
 
     /// The rates a kvgate `--worker` flag should carry for an engine paced this way.

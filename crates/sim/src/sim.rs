@@ -52,6 +52,9 @@ pub struct SimConfig {
     /// `/v1/loads` (default: the profile's engine), converted by the gateway's own function. Only
     /// the `oracle` policy reads the engines' exact state.
     pub telemetry: Flavor,
+    /// What the router takes a count-only report (vLLM's) to mean in tokens, as `kvgate serve`'s
+    /// `[telemetry]` `assumed_prompt_tokens` and `assumed_decode_tokens`.
+    pub count_assumptions: CountAssumptions,
     /// Engine 0's throughputs as configured in the router over its real ones (1: configured right;
     /// 3: the router is told it is 3× faster than it is), for calibration experiments.
     pub misconfigured_rate_scale: f64,
@@ -72,6 +75,7 @@ impl SimConfig {
     pub fn new(profile: EngineProfile, policy: PolicySpec, seed: u64) -> Self {
         SimConfig {
             telemetry: profile.flavor,
+            count_assumptions: CountAssumptions::default(),
             profile,
             policy,
             knobs: PolicyConfig::default(),
@@ -688,7 +692,7 @@ impl<'w> Simulation<'w> {
         let failing = host.polls_fail_from.is_some_and(|f| now >= f) && host.polls_fail_until.is_none_or(|u| now < u);
         if host.connected && !failing {
             let report = host.engine.report(self.cfg.telemetry);
-            let snapshot = snapshot_from_report(&report, CountAssumptions::default(), now);
+            let snapshot = snapshot_from_report(&report, self.cfg.count_assumptions, now);
             for r in &mut self.replicas {
                 let v = &mut r.view[w];
                 v.snapshot = Some(snapshot);

@@ -291,6 +291,19 @@ struct MooncakeRow {
 /// deterministic tokens seeded by the id (the last block cut to `input_length`). Requests whose first
 /// hash id is 0 (the shared system prompt) are the tracked hot prefix.
 pub fn mooncake(path: &Path, workers: usize, speedup: f64, limit: Option<usize>) -> Result<Workload, SimError> {
+    mooncake_with_blocks(path, workers, speedup, limit, MOONCAKE_BLOCK_TOKENS)
+}
+
+/// [`mooncake`] with each hash id standing for `block_tokens` tokens, as the real-engine benches
+/// replay the trace (`scripts/real-engines/bench.sh`, 32 tokens a hash id).
+pub fn mooncake_with_blocks(
+    path: &Path,
+    workers: usize,
+    speedup: f64,
+    limit: Option<usize>,
+    block_tokens: u32,
+) -> Result<Workload, SimError> {
+    let block_tokens = u64::from(block_tokens.max(1));
     let file = std::fs::File::open(path).map_err(|e| SimError::Trace(format!("{}: {e}", path.display())))?;
     let mut requests = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
@@ -309,7 +322,7 @@ pub fn mooncake(path: &Path, workers: usize, speedup: f64, limit: Option<usize>)
             if left == 0 {
                 break;
             }
-            let len = left.min(MOONCAKE_BLOCK_TOKENS as u64) as u32;
+            let len = left.min(block_tokens) as u32;
             segments.push(Segment { seed: digest_str("mooncake") ^ id.wrapping_mul(0x2545_f491_4f6c_dd1d), len });
             left -= len as u64;
         }
@@ -386,6 +399,28 @@ fn parse_azure_time(s: &str) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_mooncake_hash_id_stands_for_the_block_tokens_asked_for() {
+        let path = std::env::temp_dir().join(format!("kvgate-mooncake-blocks-{}.jsonl", std::process::id()));
+        let rows = concat!(
+            r#"{"timestamp": 0, "input_length": 64, "output_length": 5, "hash_ids": [0, 7]}"#,
+            "\n",
+            r#"{"timestamp": 1000, "input_length": 80, "output_length": 5, "hash_ids": [0, 7]}"#,
+            "\n"
+        );
+        std::fs::write(&path, rows).unwrap();
+        let lens = |w: &Workload| -> Vec<Vec<u32>> {
+            w.requests.iter().map(|r| r.prompt.segments.iter().map(|s| s.len).collect()).collect()
+        };
+        let at_32 = super::mooncake_with_blocks(&path, 2, 1.0, None, 32).unwrap();
+        // Each id a block of 32; what the ids leave over is a segment of the row's own.
+        assert_eq!(lens(&at_32), vec![vec![32, 32], vec![32, 32, 16]]);
+        assert_eq!(at_32.requests[0].prompt.segments[1].seed, at_32.requests[1].prompt.segments[1].seed);
+        let at_512 = super::mooncake(&path, 2, 1.0, None).unwrap();
+        assert_eq!(lens(&at_512), vec![vec![64], vec![80]]);
+        std::fs::remove_file(&path).ok();
+    }
+
     #[test]
     fn requests_of_one_instant_are_spread_until_the_next() {
         let at = |ms: &[u64]| Workload {

@@ -1,5 +1,6 @@
-//! Paced engines: each scheduler step of a real engine takes its profile's step time (within 5%),
-//! and an engine kept busy does not slow its idle neighbour, as on separate GPUs. Unpaced, on two
+//! Paced engines: each scheduler step of a real engine takes its profile's step time (the median
+//! step within 2%, all of them together within 5%), and an engine kept busy does not slow its idle
+//! neighbour, as on separate GPUs. Unpaced, on two
 //! shared cores, the same load on `a` doubled `b`'s median time to first token and took its p90
 //! from 9 to 246 ms (docs/real-engines.md).
 
@@ -57,10 +58,21 @@ fn steps_since(engine: &Engine, skip: usize) -> anyhow::Result<Vec<PacedStep>> {
     Ok(read_steps(&engine.pace_log())?.into_iter().skip(skip).collect())
 }
 
-/// Every step's target is the Rust model's time for its batch; of the steps whose own work took
-/// under 80% of the target, at least 95% ended within 5% of it. Returns (steps, median lateness,
-/// steps whose own work ran past the target).
-fn check_steps(engine: &Engine, steps: &[PacedStep]) -> anyhow::Result<(usize, f64, usize)> {
+/// What a paced engine's steps took: how many, the median and p90 of wall over target, the whole
+/// run's wall over target, and how many steps' own work ran past their target.
+struct StepTiming {
+    steps: usize,
+    median: f64,
+    p90: f64,
+    total: f64,
+    overrun: usize,
+}
+
+/// Every step's target is the Rust model's time for its batch, the median step ends within 2% of
+/// its target and all steps together within 5% of theirs. Single steps can end a few milliseconds
+/// late when the cores are busy (a sleeping engine wakes late); the pacer makes that up in the next
+/// step, so it does not add up.
+fn check_steps(engine: &Engine, steps: &[PacedStep]) -> anyhow::Result<StepTiming> {
     let pacing = engine.spec.pacing.as_ref().context("the engine is not paced")?;
     ensure!(!steps.is_empty(), "engine {} logged no steps during the trial", engine.spec.name);
     for s in steps {
@@ -72,18 +84,27 @@ fn check_steps(engine: &Engine, steps: &[PacedStep]) -> anyhow::Result<(usize, f
             s.target_ms
         );
     }
-    let in_budget: Vec<&PacedStep> = steps.iter().filter(|s| s.compute_ms < 0.8 * s.target_ms).collect();
-    let on_time = in_budget.iter().filter(|s| s.lateness() <= 1.05).count();
-    ensure!(
-        on_time as f64 >= 0.95 * in_budget.len() as f64,
-        "engine {}: {on_time} of {} steps ended within 5% of the modeled time",
-        engine.spec.name,
-        in_budget.len()
-    );
     let mut lateness: Vec<f64> = steps.iter().map(PacedStep::lateness).collect();
     lateness.sort_by(f64::total_cmp);
-    let overrun = steps.iter().filter(|s| s.compute_ms > s.target_ms).count();
-    Ok((steps.len(), quantile(&lateness, 0.5), overrun))
+    let timing = StepTiming {
+        steps: steps.len(),
+        median: quantile(&lateness, 0.5),
+        p90: quantile(&lateness, 0.9),
+        total: steps.iter().map(|s| s.wall_ms).sum::<f64>() / steps.iter().map(|s| s.target_ms).sum::<f64>(),
+        overrun: steps.iter().filter(|s| s.compute_ms > s.target_ms).count(),
+    };
+    ensure!(
+        timing.median <= 1.02 && timing.total <= 1.05,
+        "engine {}: steps took {:.3}x their modeled time at the median and {:.3}x in all (p90 {:.3}; {} of {} \
+         computed past it)",
+        engine.spec.name,
+        timing.median,
+        timing.total,
+        timing.p90,
+        timing.overrun,
+        timing.steps
+    );
+    Ok(timing)
 }
 
 pub async fn a_paced_engine_steps_at_its_profiles_time_and_a_busy_neighbour_does_not_slow_it(
@@ -121,18 +142,25 @@ pub async fn a_paced_engine_steps_at_its_profiles_time_and_a_busy_neighbour_does
         load_requests += l.await??;
     }
 
-    let (a_steps, a_late, a_overrun) = check_steps(a, &steps_since(a, a_before)?)?;
-    let (b_steps, b_late, b_overrun) = check_steps(b, &steps_since(b, b_before)?)?;
+    let a_timing = check_steps(a, &steps_since(a, a_before)?)?;
+    let b_timing = check_steps(b, &steps_since(b, b_before)?)?;
     let busy_batches = steps_since(a, a_before)?.iter().map(|s| s.decode_seqs).max().unwrap_or(0);
     let ms = |s: &[f64], q: f64| quantile(s, q) * 1000.0;
+    let show = |t: &StepTiming| {
+        format!(
+            "{} (wall/target median {:.3}, p90 {:.3}, in all {:.3}; {} computed past it)",
+            t.steps, t.median, t.p90, t.total, t.overrun
+        )
+    };
     eprintln!(
         "  b's time to first token alone p50 {:.1} / p90 {:.1} ms, beside a busy a p50 {:.1} / p90 {:.1} ms; \
-         a served {load_requests} load requests, batches up to {busy_batches}; steps: a {a_steps} \
-         (median wall/target {a_late:.3}, {a_overrun} computed past the target), b {b_steps} ({b_late:.3}, {b_overrun})",
+         a served {load_requests} load requests, batches up to {busy_batches}; steps: a {}, b {}",
         ms(&alone, 0.5),
         ms(&alone, 0.9),
         ms(&beside, 0.5),
-        ms(&beside, 0.9)
+        ms(&beside, 0.9),
+        show(&a_timing),
+        show(&b_timing)
     );
     ensure!(busy_batches >= 4, "a never ran a batch of 4 or more: the load did not load it ({busy_batches})");
     ensure!(

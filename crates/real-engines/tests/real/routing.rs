@@ -138,7 +138,7 @@ pub async fn a_prefix_asked_for_steadily_is_copied_to_an_idle_peer_that_then_hol
     // engines prefill 8,750 tokens a second, and a step of a few sequences takes about 29 ms, most
     // of it the step's fixed cost: kvgate's linear model charges a running sequence 1/decode rate
     // of a step, so a few sequences' 29 ms is some 100-200 tokens a second, not the full batch's
-    // 2,417 (a's batch here is the three clients').
+    // 1,034 (a's batch here is the three clients').
     overrides.workers = [a, b]
         .iter()
         .map(|e| format!("{},prefill_tokens_per_s=5000,decode_tokens_per_s=200", e.worker_flag()))

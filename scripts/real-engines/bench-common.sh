@@ -1,0 +1,173 @@
+# Shared by bench.sh and incident.sh (sourced, not run): set-up, a fresh fleet of paced (or unpaced)
+# engines, a router in front of it (kvgate or SMG), and the fleet's own prefix-cache counters.
+#
+# The sourcing script sets: engines, kv_tokens, runtime (vllm|sglang), work (its directory under
+# target/), pace (an engine profile, or `off`), pace_scale, and optionally kvgate_toml (the body of
+# kvgate's configuration file). It gets: kvgate, model, rates (the worker options kvgate is given),
+# run_dir, base, router_port, pace_label, the engines' metric names (cached_metric, prompt_metric,
+# waiting_metric, running_metric, finished_metric), and the functions engine_port, start_fleet,
+# start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished, sample_queues
+# and for_each_run.
+
+case "$runtime" in
+  vllm)
+    cached_metric=vllm:prefix_cache_hits_total; prompt_metric=vllm:prefix_cache_queries_total
+    waiting_metric=vllm:num_requests_waiting; running_metric=vllm:num_requests_running
+    finished_metric=vllm:request_success_total ;;
+  sglang)
+    cached_metric=sglang:cached_tokens_total; prompt_metric=sglang:prompt_tokens_total
+    waiting_metric=sglang:num_queue_reqs; running_metric=sglang:num_running_reqs
+    finished_metric=sglang:num_requests_total ;;
+  *) echo "$0: RUNTIME must be vllm or sglang, not $runtime" >&2; exit 2 ;;
+esac
+run_dir="$work/run"
+model="$PWD/target/real-engines/model"
+mkdir -p "$work"
+
+scripts/real-engines/setup.sh
+if [ ! -x target/smg-venv/bin/smg ]; then
+  python3 -m venv target/smg-venv
+  target/smg-venv/bin/pip install --quiet --disable-pip-version-check "smg==1.13.0"
+fi
+cargo build --release -p kvgate --quiet
+kvgate=target/release/kvgate
+if [ "$pace" = off ]; then
+  # Rates measured on this machine's tiny model (docs/benchmarks.md): ~20k prefill tokens/s,
+  # ~3k decode tokens/s at 16 streams.
+  rates="prefill_tokens_per_s=20000,decode_tokens_per_s=3000"
+  unset KVGATE_PACE_PROFILE
+  pace_label="unpaced"
+else
+  KVGATE_PACE_PROFILE=$("$kvgate" profile "$pace" --compact)
+  export KVGATE_PACE_PROFILE KVGATE_PACE_SCALE="$pace_scale"
+  rates=$("$kvgate" profile "$pace" --scale "$pace_scale" --compact | python3 -c '
+import json, sys
+p = json.load(sys.stdin)["paced"]
+print("prefill_tokens_per_s=%.0f,decode_tokens_per_s=%.0f" % (p["prefill_tokens_per_s"], p["decode_tokens_per_s"]))')
+  pace_label="paced as $pace x $pace_scale"
+fi
+
+base=19000
+engine_port() { echo $((base + 10 * $1)); }
+router_port=$((base + 900))
+pids=()
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  for i in $(seq 0 $((engines - 1))); do scripts/real-engines/engine.sh stop "e$i" "$run_dir" || true; done
+}
+trap stop_all EXIT
+
+start_fleet() {
+  for i in $(seq 0 $((engines - 1))); do
+    p=$(engine_port "$i")
+    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" "$runtime"
+  done
+  for i in $(seq 0 $((engines - 1))); do
+    scripts/real-engines/engine.sh wait "e$i" "$(engine_port "$i")" 300 "$run_dir"
+  done
+}
+
+start_router() {
+  local cfg="$1" log="$2"
+  local urls=() workers=()
+  for i in $(seq 0 $((engines - 1))); do
+    p=$(engine_port "$i")
+    urls+=("http://127.0.0.1:$p")
+    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),$rates")
+  done
+  case "$cfg" in
+    kvgate-*)
+      printf '%s\n' "${kvgate_toml:-}" > "$work/kvgate.toml"
+      "$kvgate" serve --config "$work/kvgate.toml" --host 127.0.0.1 --port "$router_port" --block-size 32 \
+        --tokenizer "$model/tokenizer.json" --policy projected --mode "${cfg#kvgate-}" --admission-wait-s 0 \
+        "${workers[@]}" > "$log" 2>&1 &
+      ;;
+    smg-*)
+      target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
+        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" --log-level warn > "$log" 2>&1 &
+      ;;
+    *) echo "$0: unknown config $cfg" >&2; exit 2 ;;
+  esac
+  pids+=($!)
+  local body='{"model":"tiny","messages":[{"role":"user","content":"warm"}],"max_tokens":1}'
+  for _ in $(seq 1 120); do
+    if [ "$(curl -s -o /dev/null -w '%{http_code}' -m 5 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$router_port/v1/chat/completions")" = 200 ]; then
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "$0: $cfg did not answer; see $log" >&2
+  exit 1
+}
+
+# The fleet's prefix-cache hits and lookups so far, by the engines' own counters: "HITS QUERIES".
+fleet_cache() {
+  python3 - "$engines" "$base" "$cached_metric" "$prompt_metric" <<'PY'
+import sys, urllib.request
+n, base, cached, prompt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+hits = queries = 0.0
+for i in range(n):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics").read().decode()
+    for line in text.splitlines():
+        # Series only (`name{labels} value` or `name value`), summed over their labels.
+        if line.startswith(cached + "{") or line.startswith(cached + " "):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(prompt + "{") or line.startswith(prompt + " "):
+            queries += float(line.rsplit(" ", 1)[1])
+print(f"{hits:.0f} {queries:.0f}")
+PY
+}
+
+# Each engine's finished requests so far, by its own counter, space-separated.
+fleet_finished() {
+  python3 - "$engines" "$base" "$finished_metric" <<'PY'
+import sys, urllib.request
+n, base, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+out = []
+for i in range(n):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics").read().decode()
+    out.append(sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")))
+print(" ".join(f"{v:.0f}" for v in out))
+PY
+}
+
+# Samples every engine's waiting queue every 200 ms into FILE (a JSON line a sample: seconds since
+# the start and the queues) until killed; run it in the background.
+sample_queues() {
+  python3 - "$engines" "$base" "$waiting_metric" "$1" <<'PY'
+import json, sys, time, urllib.request
+n, base, name, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+start = time.time()
+with open(path, "w", buffering=1) as out:
+    while True:
+        queues = []
+        for i in range(n):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics", timeout=2).read().decode()
+                queues.append(sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")))
+            except OSError:
+                queues.append(None)
+        out.write(json.dumps([round(time.time() - start, 2), queues]) + "\n")
+        time.sleep(0.2)
+PY
+}
+
+# Runs `FN CONFIG ROUND` for each of CONFIGS (comma-separated) in each of REPEATS rounds, each round
+# in a rotated order, every run on a freshly started fleet (cold caches) behind its router.
+for_each_run() {
+  local fn="$1" configs="$2" repeats="$3" list n k rep cfg
+  IFS=',' read -r -a list <<< "$configs"
+  n=${#list[@]}
+  for rep in $(seq 1 "$repeats"); do
+    for k in $(seq 0 $((n - 1))); do
+      cfg=${list[$(((k + rep - 1) % n))]}
+      echo "[round $rep] $cfg: fresh fleet of $engines engines" >&2
+      start_fleet
+      start_router "$cfg" "$work/$cfg-$rep.router.log"
+      "$fn" "$cfg" "$rep"
+      stop_all
+    done
+  done
+}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# A small chat request's latency through kvgate (a real tokenizer, prompt cache off) alone, and while
-# 16 connections send 32 KB prompts that miss every cache (the tokenize bench's unique-completion
-# workload). Needs nginx and wrk (Debian: nginx-light, wrk) and ../shared beside the checkout.
-# Usage: scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
+# A small chat request's latency through kvgate (a real tokenizer) alone, and while 16 connections
+# send 32 KB prompts that no cache holds (the tokenize bench's unique-completion workload). By
+# default the prompt cache is off, so every long prompt is tokenized whole (the worst case, and
+# what --tokenize-whole or a gRPC worker costs); ROUTED=1 keeps it on, and the long prompts are
+# tokenized only as far as routing needs. Needs nginx and wrk (Debian: nginx-light, wrk) and
+# ../shared beside the checkout.
+# Usage: [ROUTED=1] scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
 set -u
 KV=${1:?usage: small-beside-long.sh KVGATE_BIN TOKENIZER_JSON}; TOK=${2:?tokenizer.json}
 shared=$(cd "$(dirname "$0")/../../shared" && pwd) || { echo "../shared is missing" >&2; exit 1; }
@@ -11,7 +14,8 @@ python3 $shared/tools/tokenize-bench/make_workloads.py "$S" || exit 1
 sed -e "s#SCRATCH#$S#g" -e "s#UPSTREAM#$UP#g" -e "s#PROXY#$PX#g" $shared/tools/proxy-bench/nginx.conf.template \
   | sed -e 's#access_log off;#access_log off; client_body_buffer_size 1m;#' > "$S/nginx.conf"
 nginx -c "$S/nginx.conf" || exit 1
-KVGATE_TOKENIZE_CACHE_MIB=0 "$KV" serve --host 127.0.0.1 --port 39210 --worker "http://127.0.0.1:$UP" --tokenizer "$TOK" --chat-template $shared/tools/tokenize-bench/chatml.jinja >"$S/kv.log" 2>&1 &
+cache_mib=0; [ "${ROUTED:-0}" = 1 ] && cache_mib=64
+KVGATE_TOKENIZE_CACHE_MIB=$cache_mib "$KV" serve --host 127.0.0.1 --port 39210 --worker "http://127.0.0.1:$UP" --tokenizer "$TOK" --chat-template $shared/tools/tokenize-bench/chatml.jinja >"$S/kv.log" 2>&1 &
 kv=$!
 body='{"model":"fake-model","prompt":"hi","max_tokens":8}'
 for _ in $(seq 60); do

@@ -88,6 +88,7 @@ fn bench_decision(c: &mut Criterion) {
                 prompt_tokens: prompt.len() as u64,
                 max_tokens: 256,
                 exclude: &[],
+                keys_cover_prompt: true,
             };
             next += 1;
             // Every decision at the same instant: the fleet's prefill demand never decays, so the

@@ -27,7 +27,14 @@ fn router_with_requests_in_flight(in_flight: u64) -> (Router, WorkerId) {
     for i in 0..in_flight {
         let prompt = kvgate_core::hashing::synthetic_tokens(i, 8_192);
         let keys = router.request_keys(kvgate_core::Namespace::DEFAULT, &prompt);
-        let req = RouteRequest { id: RequestId(i), keys: &keys, prompt_tokens: 8_192, max_tokens: 256, exclude: &[] };
+        let req = RouteRequest {
+            id: RequestId(i),
+            keys: &keys,
+            prompt_tokens: 8_192,
+            max_tokens: 256,
+            exclude: &[],
+            keys_cover_prompt: true,
+        };
         router.decide(&req, Timestamp::ZERO, &mut rng).unwrap();
     }
     (router, worker)

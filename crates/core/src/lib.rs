@@ -52,7 +52,7 @@
 //! router.apply_kv_events(&WorkerId::new("b"), &[stored], Timestamp::ZERO).unwrap();
 //!
 //! let keys = router.request_keys(Namespace::DEFAULT, &prompt);
-//! let request = RouteRequest { id: RequestId(1), keys: &keys, prompt_tokens: 10, max_tokens: 32, exclude: &[] };
+//! let request = RouteRequest { id: RequestId(1), keys: &keys, prompt_tokens: 10, max_tokens: 32, exclude: &[], keys_cover_prompt: true };
 //! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
 //! let decision = router.decide(&request, Timestamp::ZERO, &mut rng).unwrap();
 //! assert_eq!(decision.worker.as_str(), "b");

@@ -28,6 +28,10 @@ pub struct LoggedDecision {
     pub endpoint: &'static str,
     /// The decision record (shadow counterfactuals included).
     pub decision: Decision,
+    /// Of the decision's `prompt_tokens`, how many were estimated: the end of a prompt that no
+    /// worker holds was left untokenized (`kvgate_tokenizer::routed`). Absent when all were counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_prompt_tokens: Option<u64>,
 }
 
 /// What the last reread of the workers file found, for `GET /admin/discovery` (see
@@ -238,7 +242,7 @@ impl AppState {
     }
 
     /// Appends to the bounded decision log.
-    pub fn log_decision(&self, endpoint: &'static str, decision: Decision) {
+    pub fn log_decision(&self, endpoint: &'static str, decision: Decision, estimated_prompt_tokens: Option<u64>) {
         let cap = self.config.decision_log;
         if cap == 0 {
             return;
@@ -247,6 +251,7 @@ impl AppState {
         if log.len() >= cap {
             log.pop_front();
         }
-        log.push_back(LoggedDecision { at_ms: self.clock.now().as_micros() / 1000, endpoint, decision });
+        let at_ms = self.clock.now().as_micros() / 1000;
+        log.push_back(LoggedDecision { at_ms, endpoint, decision, estimated_prompt_tokens });
     }
 }

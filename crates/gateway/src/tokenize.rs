@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use kvgate_core::router::Router;
+use kvgate_core::{BlockHasher, BlockKey, Namespace};
 pub use kvgate_tokenizer::*;
 
 use crate::config::TokenizerSpec;
@@ -31,4 +33,87 @@ pub fn build(spec: &TokenizerSpec, cache_bytes: usize) -> Result<Arc<dyn PromptT
             Arc::new(tokenizer)
         }
     })
+}
+
+/// Wants a prompt's ids only while every block of them so far is held by some worker
+/// ([`kvgate_tokenizer::routed`]): past the first block no worker holds, none holds any later
+/// block either, and the route is decided by the blocks before it.
+pub struct HeldPrefixProbe<'a> {
+    router: &'a Router,
+    hasher: BlockHasher,
+    block_size: usize,
+    /// The key of the last block checked (the namespace's root before any).
+    last: BlockKey,
+    /// Blocks checked so far, all held.
+    blocks: usize,
+    keys: Vec<BlockKey>,
+    /// Bytes it still lets the tokenizer run on (cache misses); `None`: no limit.
+    budget: Option<usize>,
+    /// Whether it declined a piece for the budget.
+    deferred: bool,
+}
+
+impl<'a> HeldPrefixProbe<'a> {
+    /// A probe for a prompt in `namespace`, against what `router`'s index holds now.
+    pub fn new(router: &'a Router, namespace: Namespace) -> Self {
+        HeldPrefixProbe {
+            router,
+            hasher: BlockHasher::new(),
+            block_size: router.block_size().max(1) as usize,
+            last: namespace.root(),
+            blocks: 0,
+            keys: Vec::new(),
+            budget: None,
+            deferred: false,
+        }
+    }
+
+    /// Lets the tokenizer run on at most `bytes` of text the prompt cache does not hold: for a try
+    /// on a thread that serves connections, where a long tokenization must not run.
+    pub fn with_budget(mut self, bytes: usize) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+
+    /// Whether it declined to let the tokenizer run on more text (the tokenization then ended with
+    /// `TokenizeError::Deferred`, whatever error the request reports).
+    pub fn deferred(&self) -> bool {
+        self.deferred
+    }
+}
+
+impl RoutingProbe for HeldPrefixProbe<'_> {
+    fn wants_more(&mut self, ids: &[u32]) -> bool {
+        self.keys.clear();
+        let mut parent = self.last;
+        for block in ids[self.blocks * self.block_size..].chunks_exact(self.block_size) {
+            parent = self.hasher.block_key(parent, block);
+            self.keys.push(parent);
+        }
+        if self.keys.is_empty() {
+            return true;
+        }
+        // All of them in one look at the index.
+        let held = self.router.held_run(&self.keys);
+        if held < self.keys.len() {
+            return false;
+        }
+        self.blocks += held;
+        self.last = parent;
+        true
+    }
+
+    fn may_tokenize(&mut self, bytes: usize) -> bool {
+        match &mut self.budget {
+            Some(left) if *left < bytes => {
+                self.deferred = true;
+                false
+            }
+            Some(left) => {
+                *left -= bytes;
+                true
+            }
+            None => true,
+        }
+    }
 }

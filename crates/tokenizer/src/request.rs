@@ -5,6 +5,7 @@
 
 use serde_json::Value;
 
+use crate::routed::{PromptIds, RoutingProbe, Untokenized, Whole};
 use crate::{PromptTokenizer, TokenizeError};
 
 mod pooling;
@@ -114,8 +115,11 @@ impl Endpoint {
 /// What routing needs from a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
-    /// Prompt token ids, as the engine will see them.
+    /// Prompt token ids, as the engine will see them: all of them, or the prompt's start when
+    /// `rest` is set.
     pub tokens: Vec<u32>,
+    /// The end of the prompt that routing did not need tokenized ([`crate::routed`]).
+    pub rest: Option<Untokenized>,
     /// Tokens the request may generate.
     pub max_tokens: u64,
     /// Whether the client asked for a stream.
@@ -124,6 +128,23 @@ pub struct Parsed {
     pub model: Option<String>,
     /// The cache salt, if any: salted prompts only share cache with the same salt.
     pub cache_salt: Option<String>,
+}
+
+impl Parsed {
+    /// Prompt tokens: exact, or with the untokenized rest estimated.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.tokens.len() as u64 + self.rest.as_ref().map_or(0, |r| r.estimated_tokens)
+    }
+
+    /// Tokenizes what routing left untokenized, so that `tokens` holds every id.
+    pub fn finish(&mut self, tokenizer: &dyn PromptTokenizer) -> Result<(), TokenizeError> {
+        if let Some(rest) = &self.rest {
+            let more = tokenizer.finish(rest)?;
+            self.tokens.extend(more);
+            self.rest = None;
+        }
+        Ok(())
+    }
 }
 
 fn opt_str<'a>(body: &'a Value, key: &str) -> Result<Option<&'a str>, RequestError> {
@@ -162,13 +183,25 @@ pub fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
         .collect()
 }
 
-/// Reads a request body for `endpoint`: validates its shape and tokenizes its prompt (token ids the
-/// client already sent are used as they are).
+/// Reads a request body for `endpoint`: validates its shape and tokenizes its whole prompt (token
+/// ids the client already sent are used as they are).
 pub fn parse(
     endpoint: Endpoint,
     body: &Value,
     tokenizer: &dyn PromptTokenizer,
     default_max_tokens: u64,
+) -> Result<Parsed, RequestError> {
+    parse_routed(endpoint, body, tokenizer, default_max_tokens, &mut Whole)
+}
+
+/// [`parse`], tokenizing a text prompt only for as long as `probe` wants more ids
+/// ([`crate::routed`]). Pooling requests are tokenized whole: their count is all routing uses.
+pub fn parse_routed(
+    endpoint: Endpoint,
+    body: &Value,
+    tokenizer: &dyn PromptTokenizer,
+    default_max_tokens: u64,
+    probe: &mut dyn RoutingProbe,
 ) -> Result<Parsed, RequestError> {
     if !body.is_object() {
         return Err(RequestError::whole("the request body must be a JSON object"));
@@ -204,22 +237,22 @@ pub fn parse(
                 }
             }
             let max = opt_count(body, "max_completion_tokens")?.or(opt_count(body, "max_tokens")?);
-            (tokenizer.encode_chat(body).map_err(tokenize_err)?, max)
+            (tokenizer.encode_chat_routed(body, probe).map_err(tokenize_err)?, max)
         }
         Endpoint::Completions => {
             let prompt = body.get("prompt").ok_or_else(|| RequestError::invalid("prompt", "`prompt` is required"))?;
             let tokens = match prompt {
-                Value::String(s) => tokenizer.encode_prompt(s, add_special).map_err(tokenize_err)?,
+                Value::String(s) => tokenizer.encode_prompt_routed(s, add_special, probe).map_err(tokenize_err)?,
                 Value::Array(items) if items.is_empty() => {
                     return Err(RequestError::invalid("prompt", "`prompt` must not be empty"))
                 }
                 Value::Array(items) => match &items[0] {
                     // Several prompts are served by one engine; the first one places the request.
                     Value::String(s) if items.iter().all(Value::is_string) => {
-                        tokenizer.encode_prompt(s, add_special).map_err(tokenize_err)?
+                        tokenizer.encode_prompt_routed(s, add_special, probe).map_err(tokenize_err)?
                     }
-                    Value::Number(_) => token_ids(prompt, "prompt")?,
-                    Value::Array(_) => token_ids(&items[0], "prompt")?,
+                    Value::Number(_) => PromptIds::whole(token_ids(prompt, "prompt")?),
+                    Value::Array(_) => PromptIds::whole(token_ids(&items[0], "prompt")?),
                     _ => {
                         return Err(RequestError::invalid(
                             "prompt",
@@ -238,14 +271,16 @@ pub fn parse(
         }
         Endpoint::Generate => {
             let tokens = match (body.get("input_ids"), body.get("text")) {
-                (Some(ids), _) if !ids.is_null() => match ids.as_array().and_then(|a| a.first()) {
+                (Some(ids), _) if !ids.is_null() => PromptIds::whole(match ids.as_array().and_then(|a| a.first()) {
                     Some(Value::Array(_)) => token_ids(&ids[0], "input_ids")?,
                     _ => token_ids(ids, "input_ids")?,
-                },
-                (_, Some(Value::String(t))) => tokenizer.encode_prompt(t, add_special).map_err(tokenize_err)?,
-                (_, Some(Value::Array(ts))) if ts.first().is_some_and(Value::is_string) => {
-                    tokenizer.encode_prompt(ts[0].as_str().unwrap_or_default(), add_special).map_err(tokenize_err)?
+                }),
+                (_, Some(Value::String(t))) => {
+                    tokenizer.encode_prompt_routed(t, add_special, probe).map_err(tokenize_err)?
                 }
+                (_, Some(Value::Array(ts))) if ts.first().is_some_and(Value::is_string) => tokenizer
+                    .encode_prompt_routed(ts[0].as_str().unwrap_or_default(), add_special, probe)
+                    .map_err(tokenize_err)?,
                 _ => return Err(RequestError::invalid("text", "`/generate` needs `text` or `input_ids`")),
             };
             let max = match body.get("sampling_params") {
@@ -259,14 +294,25 @@ pub fn parse(
             let chat = responses::as_chat(body)?;
             let has_messages = chat["messages"].as_array().is_some_and(|m| !m.is_empty());
             // Only tool outputs for a stored conversation: the prompt is the engine's, unseen here.
-            let tokens = if has_messages { tokenizer.encode_chat(&chat).map_err(tokenize_err)? } else { Vec::new() };
+            let tokens = if has_messages {
+                tokenizer.encode_chat_routed(&chat, probe).map_err(tokenize_err)?
+            } else {
+                PromptIds::whole(Vec::new())
+            };
             (tokens, opt_count(body, "max_output_tokens")?)
         }
-        Endpoint::Embeddings => (pooling::embeddings(body, tokenizer, add_special)?, Some(0)),
-        Endpoint::Rerank => (pooling::rerank(body, tokenizer, add_special)?, Some(0)),
-        Endpoint::Score => (pooling::score(body, tokenizer, add_special)?, Some(0)),
+        Endpoint::Embeddings => (PromptIds::whole(pooling::embeddings(body, tokenizer, add_special)?), Some(0)),
+        Endpoint::Rerank => (PromptIds::whole(pooling::rerank(body, tokenizer, add_special)?), Some(0)),
+        Endpoint::Score => (PromptIds::whole(pooling::score(body, tokenizer, add_special)?), Some(0)),
     };
-    Ok(Parsed { tokens, max_tokens: max_tokens.unwrap_or(default_max_tokens), stream, model, cache_salt })
+    Ok(Parsed {
+        tokens: tokens.ids,
+        rest: tokens.rest,
+        max_tokens: max_tokens.unwrap_or(default_max_tokens),
+        stream,
+        model,
+        cache_salt,
+    })
 }
 
 #[cfg(test)]

@@ -386,6 +386,11 @@ impl KvIndex {
         out.extend(alive.iter().map(|&slot| (slot, depth)));
     }
 
+    /// Whether any worker holds block `key`.
+    pub fn held_by_any(&self, key: BlockKey) -> bool {
+        self.holders.contains_key(&key)
+    }
+
     /// Whether `slot` holds block `key`.
     pub fn holds(&self, slot: WorkerSlot, key: BlockKey) -> bool {
         self.holders.get(&key).is_some_and(|h| h.binary_search(&slot).is_ok())

@@ -63,6 +63,10 @@ pub struct RouteRequest<'a> {
     pub max_tokens: u64,
     /// Workers not to choose: those a retry of this request has already failed on.
     pub exclude: &'a [WorkerId],
+    /// False when `keys` stop where no worker holds the next block and `prompt_tokens` is partly
+    /// estimated (the gateway left the prompt's end untokenized): the request then teaches the
+    /// step and decode timings nothing, since its later blocks cannot be recognised.
+    pub keys_cover_prompt: bool,
 }
 
 /// Which throughput an observation corrects.
@@ -324,6 +328,13 @@ impl Router {
         BlockHasher::new().prompt_keys(namespace, tokens, self.block_size as usize)
     }
 
+    /// How many of `keys`, from the first, some worker holds in any KV state: a prompt's blocks past
+    /// them earn no cache credit anywhere, so routing needs no ids beyond them.
+    pub fn held_run(&self, keys: &[BlockKey]) -> usize {
+        let index = self.index.read();
+        keys.iter().take_while(|&&k| index.held_by_any(k)).count()
+    }
+
     /// Moves a request's reservation from prefill to decode.
     pub fn first_token(&self, id: RequestId, now: Timestamp) -> Result<(), CoreError> {
         let mut fleet = self.fleet.lock();
@@ -437,8 +448,10 @@ impl Router {
             state.ledger.reserve(req.id, work, now);
             let first_uncached = (winner.cached_tokens / u64::from(self.block_size.max(1))) as usize;
             let computed_from = first_uncached.saturating_sub(EVICTED_BLOCKS_ALLOWED).min(req.keys.len());
-            state.timings.insert(req.id, Timing::dispatched(&req.keys[computed_from..], now));
-            state.decode_steps.follow(req.keys.last().copied(), now);
+            if req.keys_cover_prompt {
+                state.timings.insert(req.id, Timing::dispatched(&req.keys[computed_from..], now));
+                state.decode_steps.follow(req.keys.last().copied(), now);
+            }
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
             fleet.demand.add(work.prefill_tokens, now);

@@ -310,7 +310,14 @@ mod tests {
         let mut chosen = Vec::new();
         for i in 0..3u64 {
             let (me, other, other_name) = if i % 2 == 0 { (&one, &two, "one") } else { (&two, &one, "two") };
-            let req = RouteRequest { id: RequestId(i), keys: &keys, prompt_tokens: 64, max_tokens: 8, exclude: &[] };
+            let req = RouteRequest {
+                id: RequestId(i),
+                keys: &keys,
+                prompt_tokens: 64,
+                max_tokens: 8,
+                exclude: &[],
+                keys_cover_prompt: true,
+            };
             chosen.push(me.decide(&req, ms(i), &mut rng).unwrap().worker.as_str().to_owned());
             let changes = me.take_reservation_changes();
             other.apply_peer_changes(&ReplicaId::new(other_name), &changes, ms(i));
@@ -324,7 +331,14 @@ mod tests {
     fn the_outbox_lists_every_change_in_order_and_only_when_sharing() {
         let r = router(&["a"]);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        let req = RouteRequest { id: RequestId(1), keys: &[], prompt_tokens: 40, max_tokens: 8, exclude: &[] };
+        let req = RouteRequest {
+            id: RequestId(1),
+            keys: &[],
+            prompt_tokens: 40,
+            max_tokens: 8,
+            exclude: &[],
+            keys_cover_prompt: true,
+        };
         r.decide(&req, ms(0), &mut rng).unwrap();
         assert!(r.take_reservation_changes().is_empty(), "not sharing");
         r.release(RequestId(1), ms(1)).unwrap();
@@ -414,6 +428,7 @@ mod tests {
             prompt_tokens: 40,
             max_tokens: 8,
             exclude: &[WorkerId::new("b")],
+            keys_cover_prompt: true,
         };
         r.decide(&req, ms(0), &mut rng).unwrap();
         r.remove_worker(&WorkerId::new("a"), ms(0)).unwrap();

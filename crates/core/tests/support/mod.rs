@@ -94,6 +94,7 @@ impl Req {
             prompt_tokens: self.prompt_tokens,
             max_tokens: self.max_tokens,
             exclude: &[],
+            keys_cover_prompt: true,
         }
     }
 }

@@ -151,16 +151,18 @@ pub async fn decide(
     let route = RouteRequest {
         id: RequestId(0),
         keys: &keys,
-        prompt_tokens: parsed.tokens.len() as u64,
+        prompt_tokens: parsed.prompt_tokens(),
         max_tokens: parsed.max_tokens,
         exclude: &[],
+        keys_cover_prompt: parsed.rest.is_none(),
     };
     let decision = {
         let mut rng = state.rng.lock();
         state.router.preview(&route, state.clock.now(), &mut *rng)
     }
     .map_err(|_| ApiError::NoEligibleWorker)?;
-    Ok(Json(json!({ "endpoint": endpoint.path(), "decision": decision })))
+    let estimated = parsed.rest.as_ref().map(|r| r.estimated_tokens);
+    Ok(Json(json!({ "endpoint": endpoint.path(), "decision": decision, "estimated_prompt_tokens": estimated })))
 }
 
 /// `POST /admin/tokenize`: the token ids kvgate computes for a request body (chat, completions or
@@ -171,7 +173,11 @@ pub async fn tokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let (endpoint, value, parsed) = admin_request(&state, &headers, body).await?;
+    let (endpoint, value, mut parsed) = admin_request(&state, &headers, body).await?;
+    // Every id, also where routing would have stopped early.
+    parsed
+        .finish(state.tokenizer.as_ref())
+        .map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
     let prompt = match endpoint {
         Endpoint::Chat => state.tokenizer.render_chat(&value).ok(),
         _ => None,

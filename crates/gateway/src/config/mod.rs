@@ -55,6 +55,8 @@ struct ServerTable {
     port: Option<u16>,
     max_body_bytes: Option<usize>,
     tokenize_cache_mib: Option<u64>,
+    tokenize_whole: Option<bool>,
+    tokenize_check_interval_ms: Option<u64>,
     request_timeout_s: Option<f64>,
     connect_timeout_ms: Option<u64>,
     upstream_keepalive_ms: Option<u64>,
@@ -164,6 +166,14 @@ pub const TOKENIZE_CACHE_MIB: Knob = Knob {
     max: 65_536.0,
     default: 64.0,
     meaning: "memory for the token ids of long prompts' chunks, reused by later prompts that repeat the text (a HuggingFace tokenizer's; 0 turns it off)",
+};
+/// See [`GatewayConfig::tokenize_check_interval`].
+pub const TOKENIZE_CHECK_INTERVAL_MS: Knob = Knob {
+    name: "tokenize_check_interval_ms",
+    min: 0.0,
+    max: 86_400_000.0,
+    default: 1000.0,
+    meaning: "at most once in this long, a prompt that was routed on its start is then tokenized whole, off the request path, to measure the estimate of its rest (kvgate_tokenize_estimate_ratio); 0 never",
 };
 /// See [`GatewayConfig::admission_wait_s`].
 pub const ADMISSION_WAIT_S: Knob = Knob {
@@ -296,6 +306,11 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// See [`TOKENIZE_CACHE_MIB`]; in bytes.
     pub tokenize_cache_bytes: usize,
+    /// Tokenize every prompt whole, even where routing needs only its start (`[server]
+    /// tokenize_whole`, `--tokenize-whole`); off by default ([`kvgate_tokenizer::routed`]).
+    pub tokenize_whole: bool,
+    /// See [`TOKENIZE_CHECK_INTERVAL_MS`]; zero: never.
+    pub tokenize_check_interval: Duration,
     /// See [`REQUEST_TIMEOUT_S`].
     pub request_timeout: Duration,
     /// See [`CONNECT_TIMEOUT_MS`].
@@ -413,6 +428,11 @@ impl GatewayConfig {
             admin_key,
             max_body_bytes: pick(MAX_BODY_BYTES, s.max_body_bytes.map(|v| v as f64))? as usize,
             tokenize_cache_bytes: (pick(TOKENIZE_CACHE_MIB, s.tokenize_cache_mib.map(|v| v as f64))? as usize) << 20,
+            tokenize_whole: s.tokenize_whole.unwrap_or(false),
+            tokenize_check_interval: Duration::from_millis(pick(
+                TOKENIZE_CHECK_INTERVAL_MS,
+                s.tokenize_check_interval_ms.map(|v| v as f64),
+            )? as u64),
             request_timeout: Duration::from_secs_f64(pick(REQUEST_TIMEOUT_S, s.request_timeout_s)?),
             connect_timeout: Duration::from_millis(
                 pick(CONNECT_TIMEOUT_MS, s.connect_timeout_ms.map(|v| v as f64))? as u64
@@ -475,6 +495,7 @@ pub const KNOBS: &[Knob] = &[
     WORKERS_FILE_POLL_MS,
     MAX_BODY_BYTES,
     TOKENIZE_CACHE_MIB,
+    TOKENIZE_CHECK_INTERVAL_MS,
     ADMISSION_WAIT_S,
     QUEUE_TIMEOUT_MS,
     MAX_QUEUED,

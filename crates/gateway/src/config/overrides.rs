@@ -98,6 +98,10 @@ pub struct Overrides {
     /// the text; 0 turns the cache off [default: 64].
     #[arg(long, env = "KVGATE_TOKENIZE_CACHE_MIB")]
     pub tokenize_cache_mib: Option<u64>,
+    /// Tokenize every prompt whole, even where routing needs only its start (the rest of a prompt
+    /// no engine holds is otherwise estimated from its bytes).
+    #[arg(long, env = "KVGATE_TOKENIZE_WHOLE")]
+    pub tokenize_whole: bool,
     /// Longest a non-streaming response may take, seconds [default: 600].
     #[arg(long, visible_alias = "request-timeout-secs", env = "KVGATE_REQUEST_TIMEOUT_S")]
     pub request_timeout_s: Option<f64>,
@@ -159,6 +163,9 @@ impl Overrides {
         set(&mut s.block_size, self.block_size);
         set(&mut s.max_body_bytes, self.max_body_bytes);
         set(&mut s.tokenize_cache_mib, self.tokenize_cache_mib);
+        if self.tokenize_whole {
+            s.tokenize_whole = Some(true);
+        }
         set(&mut s.request_timeout_s, self.request_timeout_s);
         set(&mut s.shutdown_grace_s, self.shutdown_grace_s);
         set(&mut s.header_timeout_ms, self.header_read_timeout_secs.map(|v| v.saturating_mul(1000)));

@@ -117,20 +117,34 @@ async fn route(
     body: Bytes,
     parsed: Parsed,
 ) -> Result<Response, (ApiError, bool)> {
-    let prompt_tokens = parsed.tokens.len() as u64;
-    if let Some(limit) = state.router.largest_kv_capacity().filter(|&l| prompt_tokens > l) {
-        return Err((ApiError::PromptTooLong { tokens: prompt_tokens, limit }, false));
+    let mut parsed = parsed;
+    if let Some(limit) = state.router.largest_kv_capacity() {
+        // An estimate near the limit is no ground to refuse: count every id first.
+        if parsed.rest.is_some() && parsed.prompt_tokens() > limit / 2 {
+            parsed = finish_off_thread(state, parsed).await.map_err(|e| (e, false))?;
+        }
+        let prompt_tokens = parsed.prompt_tokens();
+        if prompt_tokens > limit {
+            return Err((ApiError::PromptTooLong { tokens: prompt_tokens, limit }, false));
+        }
+    }
+    if let Some(rest) = &parsed.rest {
+        check_estimate(state, rest);
     }
     let keys = routing_keys(state, endpoint, &parsed);
     let deadline = state.clock.instant() + state.config.queue_timeout;
     let mut queue = QueueSlot::new(state);
     let attempts = state.engines.read().len().clamp(1, MAX_ATTEMPTS);
     let mut tried: Vec<WorkerId> = Vec::new();
-    let request = Outgoing { endpoint, body: &body, parsed: &parsed };
     loop {
         let flight =
             place(state, endpoint, &keys, &parsed, &tried, &mut queue, deadline).await.map_err(|e| (e, false))?;
         let last_attempt = tried.len() + 1 >= attempts;
+        // A gRPC worker takes every id (one registered after the request was read may be chosen).
+        if flight.engine.grpc.is_some() && parsed.rest.is_some() {
+            parsed = finish_off_thread(state, parsed).await.map_err(|e| (e, false))?;
+        }
+        let request = Outgoing { endpoint, body: &body, parsed: &parsed };
         let attempted = if flight.engine.grpc.is_some() {
             attempt(&grpc::GrpcBackend, state, request, flight, last_attempt).await
         } else {
@@ -141,6 +155,43 @@ async fn route(
             Attempted::Retry(engine) => tried.push(engine),
         }
     }
+}
+
+/// Tokenizes what routing left of the prompt, on the blocking pool like the rest of it.
+async fn finish_off_thread(state: &Arc<AppState>, mut parsed: Parsed) -> Result<Parsed, ApiError> {
+    let slot = state.tokenize_slots.clone().acquire_owned().await.map_err(|_| ApiError::Internal)?;
+    let s = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        parsed
+            .finish(s.tokenizer.as_ref())
+            .map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
+        Ok(parsed)
+    })
+    .await
+    .map_err(|_| ApiError::Internal)?
+}
+
+/// At most once per `tokenize_check_interval_ms`, tokenizes a partial prompt's rest after all, off
+/// the request path and only when a tokenizing slot is free, and records how far the estimate was
+/// off.
+fn check_estimate(state: &Arc<AppState>, rest: &kvgate_tokenizer::Untokenized) {
+    let metrics = &state.metrics.tokenize_cache;
+    let interval = state.config.tokenize_check_interval.as_micros() as u64;
+    if !metrics.check_now(state.clock.now().as_micros(), interval) {
+        return;
+    }
+    let Ok(slot) = state.tokenize_slots.clone().try_acquire_owned() else {
+        return;
+    };
+    let (s, rest) = (state.clone(), rest.clone());
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        if let Ok(ids) = s.tokenizer.finish(&rest) {
+            let ratio = rest.estimated_tokens as f64 / ids.len().max(1) as f64;
+            s.metrics.tokenize_cache.estimate_ratio.observe(ratio);
+        }
+    });
 }
 
 /// What one attempt on one engine came to.

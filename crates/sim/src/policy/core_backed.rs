@@ -64,6 +64,7 @@ impl SimPolicy for CorePolicy {
             prompt_tokens: req.prompt_tokens,
             max_tokens: req.max_tokens,
             exclude: &[],
+            keys_cover_prompt: true,
         };
         let d = self.router.decide(&route, now, rng).ok()?;
         Some(Pick {

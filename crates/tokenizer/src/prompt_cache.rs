@@ -128,9 +128,8 @@ pub fn cut_points_with_tail(text: &str, chunking: &Chunking) -> Vec<usize> {
 pub struct Cuts<'a> {
     bytes: &'a [u8],
     chunking: Chunking,
-    spaces: memchr::Memchr<'a>,
-    /// Where the scan of `spaces` started: 0, then the last content-defined cut.
-    base: usize,
+    /// Where the search for the next space goes on from.
+    pos: usize,
     /// The last cut given.
     last: usize,
     /// The last content-defined cut (0 before the first).
@@ -145,9 +144,24 @@ impl<'a> Cuts<'a> {
     /// The cuts of `text`.
     pub fn new(text: &'a str, chunking: Chunking) -> Self {
         let bytes = text.as_bytes();
-        // Every request scans its prompt: spaces are found with memchr's vectorised search.
-        let spaces = memchr::memchr_iter(b' ', bytes);
-        Cuts { bytes, chunking, spaces, base: 0, last: 0, last_content: 0, head_piece: TAIL_PIECE, in_tail: false }
+        Cuts { bytes, chunking, pos: 0, last: 0, last_content: 0, head_piece: TAIL_PIECE, in_tail: false }
+    }
+
+    /// The next single space from `pos` on. Every request scans its prompt, so spaces are found
+    /// with memchr's vectorised search, and runs of spaces (indentation), none of which can be a
+    /// cut, are passed in one step instead of one search per space.
+    fn next_space(&mut self) -> Option<usize> {
+        loop {
+            let b = self.pos + memchr::memchr(b' ', self.bytes.get(self.pos..)?)?;
+            let mut end = b + 1;
+            while self.bytes.get(end) == Some(&b' ') {
+                end += 1;
+            }
+            self.pos = end;
+            if end == b + 1 {
+                return Some(b);
+            }
+        }
     }
 }
 
@@ -156,14 +170,13 @@ impl Iterator for Cuts<'_> {
 
     fn next(&mut self) -> Option<usize> {
         loop {
-            let Some(b) = self.spaces.next().map(|b| b + self.base) else {
+            let Some(b) = self.next_space() else {
                 if self.in_tail || self.last_content == 0 {
                     return None;
                 }
                 self.in_tail = true;
-                self.base = self.last_content;
                 self.last = self.last_content;
-                self.spaces = memchr::memchr_iter(b' ', &self.bytes[self.last_content..]);
+                self.pos = self.last_content;
                 continue;
             };
             if !may_cut(self.bytes, b) {
@@ -183,6 +196,9 @@ impl Iterator for Cuts<'_> {
             if content {
                 self.last_content = b;
                 self.head_piece = 0;
+                // No content-defined cut comes closer than `min_chunk` to this one, and past the
+                // head no other kind does before the tail (which is scanned again): skip there.
+                self.pos = self.pos.max(b + self.chunking.min_chunk);
             } else if self.head_piece > 0 && b - self.last >= self.head_piece {
                 self.head_piece *= 2;
             } else {

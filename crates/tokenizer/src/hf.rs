@@ -310,6 +310,10 @@ impl PromptTokenizer for HfTokenizer {
         self.encode_routed(text, add_special_tokens, probe)
     }
 
+    fn tokenizes_partially(&self) -> bool {
+        self.prompt_cache.is_ok()
+    }
+
     fn encode_chat_routed(&self, body: &Value, probe: &mut dyn RoutingProbe) -> Result<PromptIds, TokenizeError> {
         self.encode_routed(&self.render_chat(body)?, chat_adds_special_tokens(body), probe)
     }

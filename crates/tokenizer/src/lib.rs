@@ -93,11 +93,17 @@ pub trait PromptTokenizer: Send + Sync {
     }
     /// [`encode_chat`](Self::encode_chat) from the start only for as long as `probe` wants more.
     fn encode_chat_routed(&self, body: &Value, probe: &mut dyn RoutingProbe) -> Result<PromptIds, TokenizeError> {
-        let text = self.render_chat(body)?;
-        if !probe.may_tokenize(text.len()) {
+        // The prompt's length is known only once rendered, and rendering is half the work: ask
+        // for all of it rather than render twice.
+        if !probe.may_tokenize(usize::MAX) {
             return Err(TokenizeError::Deferred);
         }
         self.encode_chat(body).map(PromptIds::whole)
+    }
+    /// Whether the `_routed` calls can stop early; tokenizers that always tokenize whole say no,
+    /// and a caller need not try them where only a short tokenization may run.
+    fn tokenizes_partially(&self) -> bool {
+        false
     }
     /// The ids of what an `_routed` call left untokenized, to append to the ids it returned.
     fn finish(&self, rest: &Untokenized) -> Result<Vec<u32>, TokenizeError> {

@@ -204,9 +204,11 @@ pub(crate) async fn parse_off_thread(
     // Routed on its start, a long prompt often needs only cached pieces and a little new text:
     // try that here, and hand the rest to the blocking pool only if it turns out longer. What the
     // try tokenized stays in the prompt cache.
-    match parse_for_routing(state, endpoint, &value, Some(INLINE_TOKENIZE_MISS_BYTES)) {
-        Err((_, true)) => {}
-        done => return done.map_err(|(e, _)| e),
+    if state.tokenizer.tokenizes_partially() {
+        match parse_for_routing(state, endpoint, &value, Some(INLINE_TOKENIZE_MISS_BYTES)) {
+            Err((_, true)) => {}
+            done => return done.map_err(|(e, _)| e),
+        }
     }
     // Waits (asynchronously) for a slot: 16 connections tokenizing 32 KB prompts at once on 2 cores
     // starved the async workers, and a small request's p99 went from 0.7 ms to 23-29 ms.

@@ -6,6 +6,8 @@
 //! - `streams URL N`: N concurrent streams through the gateway; counts the ones that end cleanly;
 //! - `idle URL N`: N idle or dribbling sockets held open while a normal client sends 200 requests;
 //!   prints the normal client's latency.
+//! - `flood URL N`: N sockets that each send one byte of a request and then nothing, then 200
+//!   requests from a normal client, each on a new connection; prints its latency.
 
 #![allow(clippy::disallowed_methods)] // a probe measures wall time
 
@@ -99,6 +101,30 @@ async fn streams(url: String, n: usize) {
     println!("streams: {n} concurrent, {ok} complete, {} failed, {:.1} s", n - ok, started.elapsed().as_secs_f64());
 }
 
+/// 200 small requests one after another; their latency percentiles and how many failed (not 200,
+/// or no answer within 5 s).
+async fn normal_client(client: &reqwest::Client, url: &str) -> String {
+    let mut latencies = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.post(format!("{url}/v1/chat/completions")).json(&body(false)).send(),
+        )
+        .await;
+        let ok = matches!(&r, Ok(Ok(r)) if r.status() == 200);
+        if let Ok(Ok(r)) = r {
+            let _ = r.bytes().await;
+        }
+        latencies.push((t.elapsed(), ok));
+    }
+    let failed = latencies.iter().filter(|(_, ok)| !ok).count();
+    let mut ms: Vec<f64> = latencies.iter().map(|(d, _)| d.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| ms[((ms.len() - 1) as f64 * q) as usize];
+    format!("p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {failed} failed or over 5 s of 200", at(0.5), at(0.99), at(1.0))
+}
+
 async fn idle(url: String, n: usize) {
     let addr = url.trim_start_matches("http://").to_owned();
     let mut held = Vec::with_capacity(n);
@@ -113,27 +139,32 @@ async fn idle(url: String, n: usize) {
         held.push(s);
     }
     let client = reqwest::Client::new();
-    let mut latencies = Vec::new();
-    for _ in 0..200 {
-        let t = Instant::now();
-        let r = client.post(format!("{url}/v1/chat/completions")).json(&body(false)).send().await;
-        let ok = matches!(&r, Ok(r) if r.status() == 200);
-        if let Ok(r) = r {
-            let _ = r.bytes().await;
-        }
-        latencies.push((t.elapsed(), ok));
+    let latency = normal_client(&client, &url).await;
+    println!("idle: {} sockets held ({} dribbling); a normal client: {latency}", held.len(), held.len().div_ceil(2));
+    drop(held);
+}
+
+async fn flood(url: String, n: usize) {
+    let addr = url.trim_start_matches("http://").to_owned();
+    let connects: Vec<_> = (0..n)
+        .map(|_| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(&addr).await.ok()?;
+                s.write_all(b"P").await.ok()?;
+                Some(s)
+            })
+        })
+        .collect();
+    let mut held = Vec::with_capacity(n);
+    for c in connects {
+        held.extend(c.await.ok().flatten());
     }
-    let failed = latencies.iter().filter(|(_, ok)| !ok).count();
-    let mut ms: Vec<f64> = latencies.iter().map(|(d, _)| d.as_secs_f64() * 1000.0).collect();
-    ms.sort_by(f64::total_cmp);
-    let at = |q: f64| ms[((ms.len() - 1) as f64 * q) as usize];
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let latency = normal_client(&client, &url).await;
     println!(
-        "idle: {} sockets held ({} dribbling); a normal client: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {failed} failed of 200",
-        held.len(),
-        held.len().div_ceil(2),
-        at(0.5),
-        at(0.99),
-        at(1.0)
+        "flood: {} of {n} one-byte sockets connected; a normal client, new connection each: {latency}",
+        held.len()
     );
     drop(held);
 }
@@ -148,6 +179,7 @@ async fn main() {
         "engine" => engine(number(1) as u16).await,
         "streams" => streams(arg(1), number(2)).await,
         "idle" => idle(arg(1), number(2)).await,
-        _ => eprintln!("usage: hostile_probe engine PORT | streams URL N | idle URL N"),
+        "flood" => flood(arg(1), number(2)).await,
+        _ => eprintln!("usage: hostile_probe engine PORT | streams URL N | idle URL N | flood URL N"),
     }
 }

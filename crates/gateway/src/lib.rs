@@ -3,7 +3,8 @@
 //! Layout and flow:
 //!
 //! ```text
-//! server: accept under max_connections ─► hyper http1 with a header timeout ─► graceful drain
+//! server: accept under a connection cap that follows the fd limit (the oldest idle connection
+//!         makes room) ─► hyper http1 with a header timeout that shrinks under pressure ─► drain
 //! client ─► api (auth, body limit and timeout, JSON, validation) ─► request::parse (render + tokenize)
 //!        ─► proxy: place (decide+reserve, admit, queue) ─► the engine's backend: send (retry on
 //!           another engine while the client has seen nothing) ─► respond (streamed chunk by chunk
@@ -47,6 +48,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 pub use config::{GatewayConfig, Overrides, WorkerSpec};
+pub use server::{connection_cap, fd_limit_for, fd_reserve, listen};
 pub use state::AppState;
 
 /// Errors of gateway set-up and administration.

@@ -1,6 +1,7 @@
 //! Prometheus metrics, all named `kvgate_*`: counters and histograms updated on the request path,
 //! and [`fleet`] gauges of the router's view refreshed at each scrape.
 
+pub mod connections;
 pub mod fleet;
 pub mod replicas;
 pub mod tokenize;
@@ -95,6 +96,8 @@ pub struct Metrics {
     pub workers_file_errors: Gauge,
     /// The replica bus.
     pub replicas: replicas::ReplicaMetrics,
+    /// Client connections: open, cap, shed.
+    pub connections: connections::ConnectionMetrics,
 }
 
 fn latency_histogram() -> Histogram {
@@ -198,7 +201,9 @@ impl Metrics {
             workers_file_errors.clone(),
         );
         let replicas = replicas::ReplicaMetrics::register(&mut registry);
+        let connections = connections::ConnectionMetrics::register(&mut registry);
         Metrics {
+            connections,
             replicas,
             registry,
             fleet,

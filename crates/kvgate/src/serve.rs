@@ -70,14 +70,15 @@ async fn shutdown_signal() {
 
 /// Every client stream holds two descriptors (client and engine); the default soft limit (often
 /// 1024) would run out long before `max_connections`. Raise it as far as the hard limit allows, and
-/// say so when that is still short.
+/// say so when that is still short (the gateway then caps its connections to what the limit carries).
 fn raise_fd_limit(max_connections: usize) {
-    let needed = (max_connections as u64).saturating_mul(2).saturating_add(256);
+    let needed = kvgate_gateway::fd_limit_for(max_connections);
     match rlimit::increase_nofile_limit(needed) {
         Ok(limit) if limit < needed => tracing::warn!(
             limit,
             needed,
-            "the file descriptor limit is below 2 × max_connections: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower max_connections"
+            connection_cap = kvgate_gateway::connection_cap(max_connections, Some(limit)),
+            "the file descriptor limit cannot carry max_connections: client connections are capped lower; raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower max_connections"
         ),
         Ok(limit) => tracing::debug!(limit, "file descriptor limit"),
         Err(e) => tracing::warn!(error = %e, "cannot read or raise the file descriptor limit"),
@@ -94,8 +95,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", config.host, config.port);
-        let listener =
-            tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let listener = kvgate_gateway::listen(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
         // SMG's gRPC mode takes the model's tokenizer from its workers; so does kvgate when none is
         // configured.

@@ -14,6 +14,14 @@ pub const HEADER_TIMEOUT_MS: Knob = Knob {
     default: 10_000.0,
     meaning: "longest a client may take to send a request's headers, counted from when the connection is ready for one (so also how long a kept-alive connection may sit idle); the connection is then closed",
 };
+/// See [`Limits::header_timeout_min`].
+pub const HEADER_TIMEOUT_MIN_MS: Knob = Knob {
+    name: "header_timeout_min_ms",
+    min: 10.0,
+    max: 600_000.0,
+    default: 1_000.0,
+    meaning: "the header and idle timeout when the connection cap is reached: from half the cap it shrinks from header_timeout_ms to this, so idle and dribbling sockets give their descriptors back sooner",
+};
 /// See [`Limits::body_timeout`].
 pub const BODY_TIMEOUT_S: Knob = Knob {
     name: "body_timeout_s",
@@ -28,7 +36,7 @@ pub const MAX_CONNECTIONS: Knob = Knob {
     min: 1.0,
     max: 10_000_000.0,
     default: 16_384.0,
-    meaning: "client connections held at once; more wait in the listen backlog (raise the fd limit to match)",
+    meaning: "client connections held at once, at most; the gateway holds fewer where its file descriptor limit could not carry them ((limit − reserve) / 2). At the cap, a new connection closes the oldest one not in a request; when all are in a request, new ones wait in the listen backlog",
 };
 /// See [`Limits::max_buffered_body_bytes`].
 pub const MAX_BUFFERED_BODY_BYTES: Knob = Knob {
@@ -66,6 +74,7 @@ pub const OUTLIER_EJECTION_S: Knob = Knob {
 /// The knobs of this file, for the documentation table.
 pub const LIMIT_KNOBS: &[Knob] = &[
     HEADER_TIMEOUT_MS,
+    HEADER_TIMEOUT_MIN_MS,
     BODY_TIMEOUT_S,
     MAX_CONNECTIONS,
     MAX_BUFFERED_BODY_BYTES,
@@ -79,6 +88,8 @@ pub const LIMIT_KNOBS: &[Knob] = &[
 pub struct Limits {
     /// See [`HEADER_TIMEOUT_MS`].
     pub header_timeout: Duration,
+    /// See [`HEADER_TIMEOUT_MIN_MS`].
+    pub header_timeout_min: Duration,
     /// See [`BODY_TIMEOUT_S`].
     pub body_timeout: Duration,
     /// See [`MAX_CONNECTIONS`].
@@ -100,6 +111,10 @@ impl Limits {
             header_timeout: Duration::from_millis(
                 pick(HEADER_TIMEOUT_MS, s.header_timeout_ms.map(|v| v as f64))? as u64
             ),
+            header_timeout_min: Duration::from_millis(pick(
+                HEADER_TIMEOUT_MIN_MS,
+                s.header_timeout_min_ms.map(|v| v as f64),
+            )? as u64),
             body_timeout: secs(BODY_TIMEOUT_S, s.body_timeout_s)?,
             max_connections: pick(MAX_CONNECTIONS, s.max_connections.map(|v| v as f64))? as usize,
             max_buffered_body_bytes: pick(MAX_BUFFERED_BODY_BYTES, s.max_buffered_body_bytes.map(|v| v as f64))?

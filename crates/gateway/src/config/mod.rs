@@ -64,6 +64,7 @@ struct ServerTable {
     block_size: Option<u32>,
     decision_log: Option<usize>,
     header_timeout_ms: Option<u64>,
+    header_timeout_min_ms: Option<u64>,
     body_timeout_s: Option<f64>,
     max_connections: Option<usize>,
     max_buffered_body_bytes: Option<usize>,

@@ -702,11 +702,11 @@ macro_rules! piece_from {
     }};
 }
 
-fn from_vllm(m: vllm::GenerateResponse) -> Result<Piece, Status> {
+pub(crate) fn from_vllm(m: vllm::GenerateResponse) -> Result<Piece, Status> {
     piece_from!(vllm, m)
 }
 
-fn from_sglang(m: sglang::GenerateResponse) -> Result<Piece, Status> {
+pub(crate) fn from_sglang(m: sglang::GenerateResponse) -> Result<Piece, Status> {
     piece_from!(sglang, m)
 }
 

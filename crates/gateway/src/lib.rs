@@ -33,6 +33,8 @@ pub mod config;
 pub mod discovery;
 pub mod engines;
 pub mod error;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 pub mod grpc_worker;
 pub mod kv_events;
 pub mod metrics;

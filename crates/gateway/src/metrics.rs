@@ -297,3 +297,32 @@ impl std::fmt::Debug for Metrics {
         f.write_str("Metrics")
     }
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use super::Metrics;
+
+    /// Every metric the gateway registers has its row in docs/operations.md's metric tables (a
+    /// counter under its `_total` sample name), and every `kvgate_` row there is registered.
+    #[test]
+    fn operations_doc_lists_every_metric_and_no_other() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
+        let documented: std::collections::BTreeSet<String> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `kvgate_")?.split('`').next().map(|n| format!("kvgate_{n}")))
+            .collect();
+        let registered: std::collections::BTreeSet<String> = Metrics::new()
+            .render()
+            .lines()
+            .filter_map(|l| {
+                let mut words = l.strip_prefix("# TYPE ")?.split_whitespace();
+                let (name, kind) = (words.next()?, words.next()?);
+                Some(if kind == "counter" { format!("{name}_total") } else { name.to_owned() })
+            })
+            .collect();
+        let undocumented: Vec<_> = registered.difference(&documented).collect();
+        let unknown: Vec<_> = documented.difference(&registered).collect();
+        assert!(undocumented.is_empty(), "metrics missing from docs/operations.md: {undocumented:?}");
+        assert!(unknown.is_empty(), "docs/operations.md lists metrics the gateway does not register: {unknown:?}");
+    }
+}

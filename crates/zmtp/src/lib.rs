@@ -32,6 +32,8 @@ use std::time::Duration;
 pub use endpoint::Endpoint;
 pub use publish::PubSocket;
 pub use sub::SubSocket;
+#[cfg(fuzzing)]
+pub use wire::fuzz_peer_bytes;
 pub use wire::{peer_opening, Connection, Message};
 
 /// Bounds on what a peer may make this side hold.

@@ -120,6 +120,99 @@ fn encode_frame(out: &mut Vec<u8>, flags: u8, body: &[u8]) {
     out.extend_from_slice(body);
 }
 
+/// The next frame of `buf` if it is all buffered; its header is checked as soon as it is, so a
+/// length past the limits is refused before its body is waited for.
+fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, ZmtpError> {
+    let Some(&flags) = buf.first() else { return Ok(None) };
+    if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
+        return Err(ZmtpError::Framing(format!("reserved flag bits set ({flags:#04x})")));
+    }
+    let header = if flags & FLAG_LONG != 0 { 9 } else { 2 };
+    if buf.len() < header {
+        return Ok(None);
+    }
+    let len = if flags & FLAG_LONG != 0 {
+        u64::from_be_bytes(buf[1..9].try_into().expect("eight bytes"))
+    } else {
+        u64::from(buf[1])
+    };
+    let limit = if flags & FLAG_COMMAND != 0 { MAX_COMMAND_BYTES } else { limits.max_frame_bytes };
+    if len > limit {
+        return Err(ZmtpError::FrameTooLarge { announced: len, limit });
+    }
+    // Within the limit, so it fits in memory and in usize.
+    let whole = header + len as usize;
+    if buf.len() < whole {
+        return Ok(None);
+    }
+    buf.advance(header);
+    Ok(Some(Frame { flags, body: buf.split_to(len as usize).freeze() }))
+}
+
+/// The socket type of the peer's READY command `frame`, if `socket` can talk to it.
+fn check_peer_ready(frame: &Frame, socket: SocketType) -> Result<String, ZmtpError> {
+    if frame.flags & FLAG_COMMAND == 0 {
+        return Err(ZmtpError::Handshake("a message before READY".into()));
+    }
+    let peer = parse_ready(&frame.body)?;
+    if !socket.accepts(&peer) {
+        return Err(ZmtpError::Handshake(format!("a {peer} socket cannot talk to {}", socket.as_str())));
+    }
+    Ok(peer)
+}
+
+/// Adds `frame` to the message being received (`partial`, `partial_bytes` so far): the whole
+/// message once its last frame is in. Commands between messages are skipped (a 3.0 peer sends
+/// none after READY; a newer one may send PING).
+fn assemble(
+    partial: &mut Vec<Bytes>,
+    partial_bytes: &mut u64,
+    frame: Frame,
+    limits: &Limits,
+) -> Result<Option<Message>, ZmtpError> {
+    if frame.flags & FLAG_COMMAND != 0 {
+        if !partial.is_empty() {
+            return Err(ZmtpError::Framing("a command inside a multi-part message".into()));
+        }
+        return Ok(None);
+    }
+    *partial_bytes += frame.body.len() as u64;
+    if *partial_bytes > limits.max_message_bytes {
+        return Err(ZmtpError::MessageTooLarge(format!("over {} bytes in one message", limits.max_message_bytes)));
+    }
+    if partial.len() >= limits.max_frames {
+        return Err(ZmtpError::MessageTooLarge(format!("over {} frames in one message", limits.max_frames)));
+    }
+    partial.push(frame.body);
+    if frame.flags & FLAG_MORE == 0 {
+        *partial_bytes = 0;
+        return Ok(Some(std::mem::take(partial)));
+    }
+    Ok(None)
+}
+
+/// Reads what a peer sent on a connection, all of it in `bytes`, the way [`Connection`] reads it:
+/// greeting, READY, then messages until the bytes run out or one is refused. For the fuzz targets
+/// (`fuzz/`), which cannot open a socket per input.
+#[cfg(fuzzing)]
+pub fn fuzz_peer_bytes(bytes: &[u8], socket: SocketType, limits: &Limits) -> Result<Vec<Message>, ZmtpError> {
+    let mut buf = BytesMut::from(bytes);
+    if buf.len() < 64 {
+        return Err(ZmtpError::Closed);
+    }
+    let mut theirs = [0u8; 64];
+    theirs.copy_from_slice(&buf[..64]);
+    buf.advance(64);
+    check_greeting(&theirs)?;
+    let frame = decode_frame(&mut buf, limits)?.ok_or(ZmtpError::Closed)?;
+    check_peer_ready(&frame, socket)?;
+    let (mut partial, mut partial_bytes, mut messages) = (Vec::new(), 0, Vec::new());
+    while let Some(frame) = decode_frame(&mut buf, limits)? {
+        messages.extend(assemble(&mut partial, &mut partial_bytes, frame, limits)?);
+    }
+    Ok(messages)
+}
+
 impl Connection {
     /// Greets the peer on `stream` and exchanges READY commands as a `socket` socket, within
     /// [`Limits::handshake_timeout`].
@@ -147,14 +240,7 @@ impl Connection {
             encode_frame(&mut out, FLAG_COMMAND, &ready(socket.as_str()));
             conn.writer.write_all(&out).await?;
             let frame = conn.read_frame().await?;
-            if frame.flags & FLAG_COMMAND == 0 {
-                return Err(ZmtpError::Handshake("a message before READY".into()));
-            }
-            let peer = parse_ready(&frame.body)?;
-            if !socket.accepts(&peer) {
-                return Err(ZmtpError::Handshake(format!("a {peer} socket cannot talk to {}", socket.as_str())));
-            }
-            conn.peer_type = peer;
+            conn.peer_type = check_peer_ready(&frame, socket)?;
             Ok(())
         };
         match tokio::time::timeout(limits.handshake_timeout, handshake).await {
@@ -180,39 +266,10 @@ impl Connection {
         Ok(())
     }
 
-    /// The next frame if it is all buffered; its header is checked as soon as it is, so a length
-    /// past the limits is refused before its body is waited for.
-    fn decode_frame(&mut self) -> Result<Option<Frame>, ZmtpError> {
-        let Some(&flags) = self.buf.first() else { return Ok(None) };
-        if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
-            return Err(ZmtpError::Framing(format!("reserved flag bits set ({flags:#04x})")));
-        }
-        let header = if flags & FLAG_LONG != 0 { 9 } else { 2 };
-        if self.buf.len() < header {
-            return Ok(None);
-        }
-        let len = if flags & FLAG_LONG != 0 {
-            u64::from_be_bytes(self.buf[1..9].try_into().expect("eight bytes"))
-        } else {
-            u64::from(self.buf[1])
-        };
-        let limit = if flags & FLAG_COMMAND != 0 { MAX_COMMAND_BYTES } else { self.limits.max_frame_bytes };
-        if len > limit {
-            return Err(ZmtpError::FrameTooLarge { announced: len, limit });
-        }
-        // Within the limit, so it fits in memory and in usize.
-        let whole = header + len as usize;
-        if self.buf.len() < whole {
-            return Ok(None);
-        }
-        self.buf.advance(header);
-        Ok(Some(Frame { flags, body: self.buf.split_to(len as usize).freeze() }))
-    }
-
     /// The next frame, reading as needed (cancel-safe).
     async fn read_frame(&mut self) -> Result<Frame, ZmtpError> {
         loop {
-            if let Some(frame) = self.decode_frame()? {
+            if let Some(frame) = decode_frame(&mut self.buf, &self.limits)? {
                 return Ok(frame);
             }
             self.buf.reserve(READ_CHUNK.min(self.limits.max_frame_bytes as usize + 9));
@@ -228,29 +285,8 @@ impl Connection {
     pub async fn recv(&mut self) -> Result<Message, ZmtpError> {
         loop {
             let frame = self.read_frame().await?;
-            if frame.flags & FLAG_COMMAND != 0 {
-                if !self.partial.is_empty() {
-                    return Err(ZmtpError::Framing("a command inside a multi-part message".into()));
-                }
-                continue;
-            }
-            self.partial_bytes += frame.body.len() as u64;
-            if self.partial_bytes > self.limits.max_message_bytes {
-                return Err(ZmtpError::MessageTooLarge(format!(
-                    "over {} bytes in one message",
-                    self.limits.max_message_bytes
-                )));
-            }
-            if self.partial.len() >= self.limits.max_frames {
-                return Err(ZmtpError::MessageTooLarge(format!(
-                    "over {} frames in one message",
-                    self.limits.max_frames
-                )));
-            }
-            self.partial.push(frame.body);
-            if frame.flags & FLAG_MORE == 0 {
-                self.partial_bytes = 0;
-                return Ok(std::mem::take(&mut self.partial));
+            if let Some(message) = assemble(&mut self.partial, &mut self.partial_bytes, frame, &self.limits)? {
+                return Ok(message);
             }
         }
     }

@@ -227,7 +227,7 @@ impl StreamReader {
 }
 
 /// A batch's events in kvgate's terms, and how many could not be read (an event without a kind).
-fn events_of(batch: &common::KvEventBatch) -> (Vec<KvEvent>, u64) {
+pub(crate) fn events_of(batch: &common::KvEventBatch) -> (Vec<KvEvent>, u64) {
     let mut skipped = 0;
     let events = batch
         .events

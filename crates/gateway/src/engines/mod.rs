@@ -10,7 +10,7 @@
 //! hashes repeat across restarts, so old blocks would otherwise look cached on a cold engine.
 
 mod grpc;
-mod grpc_events;
+pub(crate) mod grpc_events;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -105,7 +105,7 @@ fn observe_server_info(ctx: &EngineContext, engine: &EngineHandle, info: &serde_
 
 /// The page size and KV capacity in tokens an SGLang `/server_info` answer gives, where it gives
 /// them (zero or out-of-range values are not taken).
-fn server_info_identity(info: &serde_json::Value) -> (Option<u32>, Option<u64>) {
+pub fn server_info_identity(info: &serde_json::Value) -> (Option<u32>, Option<u64>) {
     let number = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64);
     let page_size = number(info.get("page_size"))
         .or_else(|| number(info.get("kv_events").and_then(|k| k.get("block_size"))))

@@ -391,7 +391,15 @@ async fn workers_can_be_added_and_removed_at_runtime() {
     let dup = gw.client.post(gw.url("/admin/workers")).json(&json!({"url": b.url(), "id": "b"})).send().await.unwrap();
     assert_eq!(dup.status(), 400);
     assert_eq!(gw.get_json("/admin/workers").await["workers"].as_array().unwrap().len(), 2);
-    for _ in 0..8 {
+    // Until its first load report is in, b's telemetry is missing and a may win every request: wait
+    // for b's second report (so the first has been read), then both are idle and ties are drawn.
+    for _ in 0..200 {
+        if b.load_polls.1.load(std::sync::atomic::Ordering::SeqCst) >= 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    for _ in 0..16 {
         assert_eq!(gw.post("/v1/chat/completions", &chat_body(false)).await.status(), 200);
     }
     assert!(b.requests() > 0, "the new worker takes traffic");

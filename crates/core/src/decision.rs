@@ -59,6 +59,10 @@ pub enum Reason {
     /// `enforce` sent the request to the load-only winner to make it a new copy of a hot prefix:
     /// the time the copy saves the prefix's later requests outweighs what it costs this one.
     Replicate,
+    /// `enforce` chose at random among the few best workers, close in cost, because peer replicas
+    /// decide at the same instants and would all have chosen the best one
+    /// ([`crate::concurrent_peers`]).
+    Spread,
     /// Cache credit was withheld because telemetry could not be trusted; the decision is load-only.
     Fallback(FallbackReason),
     /// `shadow`: dispatched as `off`, the enforce choice recorded beside it.
@@ -76,6 +80,7 @@ impl Reason {
             Reason::Escape => "escape",
             Reason::Reuse => "reuse",
             Reason::Replicate => "replicate",
+            Reason::Spread => "spread",
             Reason::Fallback(FallbackReason::Missing) => "fallback:missing",
             Reason::Fallback(FallbackReason::Stale) => "fallback:stale",
             Reason::Fallback(FallbackReason::Incomplete) => "fallback:incomplete",

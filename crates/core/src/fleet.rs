@@ -500,6 +500,8 @@ pub(crate) struct Fleet {
     pub(crate) turns: u64,
     /// Peer replicas and the reservations they shared.
     pub(crate) peers: crate::replicas::PeerBook,
+    /// How many peers decide blind to this router's decisions.
+    pub(crate) concurrency: crate::concurrent_peers::PeerConcurrency,
     /// The prefill sent to the fleet, by this router and its peers: the fleet's load.
     pub(crate) demand: crate::load::PrefillDemand,
     /// How often each cached prefix is asked for: what a new copy of it would serve.

@@ -65,6 +65,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod concurrent_peers;
 pub mod decision;
 mod decode_cadence;
 pub mod error;
@@ -86,6 +87,7 @@ pub mod step_cadence;
 pub mod telemetry;
 pub mod time;
 
+pub use concurrent_peers::{stagger_delay, ConcurrentPeers};
 pub use decision::{Decision, FallbackReason, Reason, ScoreTerms};
 pub use error::CoreError;
 pub use fleet::{

@@ -184,6 +184,10 @@ pub struct SimArgs {
     /// with the next reservation (kvgate's lazy_flush_ms).
     #[arg(long, default_value_t = 20)]
     replica_bus_lazy_flush_ms: u64,
+    /// With --replica-sync nats: the longest milliseconds a replica holds a request before deciding
+    /// it while its peers decide in step with it (kvgate's stagger_ms; 0 never holds).
+    #[arg(long, default_value_t = 10)]
+    replica_stagger_ms: u64,
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -298,6 +302,7 @@ fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: P
         delay: Duration::from_millis(a.replica_bus_delay_ms),
         flush: Duration::from_millis(a.replica_bus_flush_ms),
         lazy_flush: Duration::from_millis(a.replica_bus_lazy_flush_ms),
+        stagger: Duration::from_millis(a.replica_stagger_ms),
         ..Default::default()
     });
     cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));

@@ -98,6 +98,18 @@ impl Replica {
 
     /// A replica that polls the engines' load every `poll_ms`, and follows their KV events or not.
     fn start_with(id: &str, nats: &Nats, engines: &[MockEngine], poll_ms: u64, kv_events: bool) -> Replica {
+        Replica::start_configured(id, nats, engines, poll_ms, kv_events, "")
+    }
+
+    /// [`Replica::start_with`], with `config` as its TOML configuration file.
+    fn start_configured(
+        id: &str,
+        nats: &Nats,
+        engines: &[MockEngine],
+        poll_ms: u64,
+        kv_events: bool,
+        config: &str,
+    ) -> Replica {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
         cmd.args(["serve", "--log-format", "json", "--port", "0", "--poll-interval-ms", &poll_ms.to_string()]).args([
             "--replica-bus",
@@ -107,6 +119,12 @@ impl Replica {
             "--replica-expiry-ms",
             &EXPIRY_MS.to_string(),
         ]);
+        if !config.is_empty() {
+            let path =
+                std::env::temp_dir().join(format!("kvgate-replica-{}-{id}-{}.toml", std::process::id(), nats.port));
+            std::fs::write(&path, config).expect("write the replica's configuration");
+            cmd.arg("--config").arg(path);
+        }
         for (i, e) in engines.iter().enumerate() {
             let events =
                 if kv_events { format!(",kv_events={},replay={}", e.kv_events, e.replay) } else { String::new() };
@@ -374,5 +392,110 @@ async fn losing_the_bus_fails_no_request_and_sharing_resumes() {
     .await;
     let v = replicas[0].get("/admin/replicas").await;
     assert!(v["dropped"].as_u64().unwrap() > 0, "heartbeats during the outage are dropped, not queued: {v}");
+    drop(held);
+}
+
+/// Sends one short request to each replica in the same instant, `rounds` times, `gap` apart, and
+/// returns per round the engines the replicas chose, from their decision logs.
+async fn rounds_at_once(replicas: &[&Replica], rounds: usize, gap: Duration, tag: &str) -> Vec<Vec<String>> {
+    let client = reqwest::Client::new();
+    for round in 0..rounds {
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(replicas.len()));
+        let mut tasks = Vec::new();
+        for (r, replica) in replicas.iter().enumerate() {
+            let (client, start) = (client.clone(), start.clone());
+            let url = format!("{}/v1/chat/completions", replica.url);
+            let body = chat(&format!("{tag} round {round} replica {r}"), round, 40, false);
+            tasks.push(tokio::spawn(async move {
+                start.wait().await;
+                client.post(url).json(&body).send().await.map(|resp| resp.status().as_u16())
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap().unwrap(), 200);
+        }
+        tokio::time::sleep(gap).await;
+    }
+    let mut logs = Vec::new();
+    for r in replicas {
+        let log = r.get(&format!("/admin/decisions?limit={rounds}")).await;
+        let workers: Vec<String> = log["decisions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["decision"]["worker"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(workers.len(), rounds, "{log}");
+        logs.push(workers);
+    }
+    (0..rounds).map(|round| logs.iter().map(|l| l[round].clone()).collect()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_reaching_every_replica_at_once_are_staggered_onto_different_engines() {
+    let _one = ONE_FLEET_AT_A_TIME.lock().await;
+    let nats = Nats::start();
+    let engines = engines(3).await;
+    // No KV events and slow load reports: the replicas see the same fleet, through the reservations
+    // they share, so every one of them finds the same engine best. On two cores shared by three
+    // gateways, three engines, NATS and the client, a bus hop takes a few milliseconds, not the
+    // fraction of one it takes between real hosts: the stagger is widened to match.
+    let config = "[replicas]\nstagger_ms = 30\n";
+    let replicas: Vec<Replica> =
+        (0..3).map(|i| Replica::start_configured(&format!("r{i}"), &nats, &engines, 2000, false, config)).collect();
+    let all: Vec<&Replica> = replicas.iter().collect();
+    wait_connected(&all).await;
+    // Two long streams through one replica take two engines: the third is the best for every
+    // request that follows, at every replica.
+    let client = reqwest::Client::new();
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let resp = client
+            .post(format!("{}/v1/chat/completions", replicas[0].url))
+            .json(&chat(&long_prefix("held"), i, 5000, true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        held.push(resp);
+    }
+    for r in &replicas {
+        eventually(Duration::from_secs(10), "every replica sees the two held streams", || async {
+            let busy = r.in_flight().await.values().filter(|&&(own, peers)| own + peers > 0).count();
+            (busy == 2).then_some(())
+        })
+        .await;
+    }
+    let gap = Duration::from_millis(300);
+    let herded = |rounds: &[Vec<String>]| rounds.iter().filter(|r| r.iter().all(|w| *w == r[0])).count();
+    // Until a replica has seen its peers' requests coincide with its own, it decides at once, as a
+    // lone replica would, and all three requests of a round go to the idle engine.
+    let learning = rounds_at_once(&all, 12, gap, "learning").await;
+    for r in &replicas {
+        let v = r.get("/admin/replicas").await;
+        let c = &v["concurrency"];
+        assert_eq!(c["in_step"], true, "three requests an instant, five instants a second: {v}");
+        assert!(c["coinciding"].as_f64().unwrap() >= 0.5, "{v}");
+    }
+    let in_step = rounds_at_once(&all, 16, gap, "in step").await;
+    eprintln!(
+        "rounds with all three requests on one engine: {} of 12 while learning, {} of 16 in step\nlearning: {learning:?}\nin step: {in_step:?}",
+        herded(&learning),
+        herded(&in_step)
+    );
+    let staggered: u64 = {
+        let mut n = 0;
+        for r in &replicas {
+            let text = reqwest::get(format!("{}/metrics", r.url)).await.unwrap().text().await.unwrap();
+            n += text
+                .lines()
+                .find_map(|l| l.strip_prefix("kvgate_replica_staggered_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .expect("kvgate_replica_staggered_total") as u64;
+        }
+        n
+    };
+    assert!(staggered >= 40, "the 48 requests in step were staggered: {staggered}");
+    assert!(herded(&in_step) <= 4, "in step, a round seldom lands whole on one engine: {in_step:?}");
     drop(held);
 }

@@ -27,10 +27,14 @@ pub struct BusModel {
     pub loss: f64,
     /// How often each replica publishes its whole state.
     pub state_interval: Duration,
+    /// The longest a replica holds a request before deciding it while its peers decide in step
+    /// ([`kvgate_core::stagger_delay`]); zero never holds.
+    pub stagger: Duration,
 }
 
 impl Default for BusModel {
-    /// The gateway's defaults (`flush_ms` 2, `lazy_flush_ms` 20, `state_interval_ms` 1000) and a
+    /// The gateway's defaults (`flush_ms` 2, `lazy_flush_ms` 20, `state_interval_ms` 1000,
+    /// `stagger_ms` 10) and a
     /// loopback-class NATS hop of 1 ms, lossless.
     fn default() -> Self {
         BusModel {
@@ -39,6 +43,7 @@ impl Default for BusModel {
             delay: Duration::from_millis(1),
             loss: 0.0,
             state_interval: Duration::from_secs(1),
+            stagger: kvgate_core::concurrent_peers::DEFAULT_STAGGER,
         }
     }
 }

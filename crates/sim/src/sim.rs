@@ -99,6 +99,11 @@ impl SimConfig {
 #[derive(Debug)]
 enum Ev {
     Arrival(usize),
+    /// A request staggered by its replica is decided (see [`BusModel::stagger`]).
+    Decide {
+        request: usize,
+        replica: usize,
+    },
     StepEnd(usize, u64),
     Poll(usize),
     /// A batch reaches the router, with the time the engine published it.
@@ -156,6 +161,9 @@ struct Replica {
     flush_at: Option<Timestamp>,
 }
 
+/// Mixed into the seed for the staggers' randomness.
+const STAGGER_STREAM: u64 = 0x5374_6167_6765_7221;
+
 /// One simulation run.
 pub struct Simulation<'w> {
     workload: &'w Workload,
@@ -164,6 +172,9 @@ pub struct Simulation<'w> {
     hosts: Vec<Host>,
     queue: crate::queue::EventQueue<Ev>,
     rng: ChaCha8Rng,
+    /// The staggers' own randomness, so that a run whose replicas never stagger draws exactly what
+    /// it drew before staggering existed.
+    stagger_rng: ChaCha8Rng,
     hasher: BlockHasher,
     in_flight: FxHashMap<RequestId, InFlight>,
     rec: Recorder,
@@ -266,6 +277,7 @@ impl<'w> Simulation<'w> {
             hosts,
             queue: crate::queue::EventQueue::default(),
             rng,
+            stagger_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STAGGER_STREAM),
             hasher: BlockHasher::new(),
             in_flight: FxHashMap::default(),
             rec,
@@ -346,6 +358,7 @@ impl<'w> Simulation<'w> {
     fn handle(&mut self, now: Timestamp, ev: Ev) {
         match ev {
             Ev::Arrival(i) => self.arrive(i, now),
+            Ev::Decide { request, replica } => self.route(request, replica, now),
             Ev::StepEnd(w, epoch) if epoch == self.hosts[w].epoch => self.step_end(w, now),
             Ev::StepEnd(..) => {}
             Ev::Poll(w) => self.poll(w, now),
@@ -416,6 +429,24 @@ impl<'w> Simulation<'w> {
             self.submit(w, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
             return;
         }
+        // Replicas sit behind one Service that spreads requests over them at random.
+        let replica = if self.replicas.len() > 1 { self.rng.random_range(0..self.replicas.len()) } else { 0 };
+        // A replica whose peers decide in step with it waits a little first, as the gateway does.
+        if let Some(bus) = self.cfg.replica_sync.filter(|_| self.replicas[replica].shares) {
+            let draw = self.stagger_rng.random::<u64>();
+            let wait = self.replicas[replica].policy.arrived(now, bus.stagger, draw);
+            if !wait.is_zero() {
+                self.queue.push(now.saturating_add(wait), Ev::Decide { request: i, replica });
+                return;
+            }
+        }
+        self.route(i, replica, now);
+    }
+
+    /// Decides where request `i` goes at replica `replica`, and sends it there.
+    fn route(&mut self, i: usize, replica: usize, now: Timestamp) {
+        let req = &self.workload.requests[i];
+        let tokens = req.prompt.tokens();
         let id = RequestId(i as u64);
         let keys = self.hasher.prompt_keys(Namespace::DEFAULT, &tokens, self.fleet_block);
         let page_keys: Vec<BlockKey> = if self.fleet_block == policy::approx::PAGE_TOKENS {
@@ -430,8 +461,6 @@ impl<'w> Simulation<'w> {
             prompt_tokens: tokens.len() as u64,
             max_tokens: req.output_tokens as u64,
         };
-        // Replicas sit behind one Service that spreads requests over them at random.
-        let replica = if self.replicas.len() > 1 { self.rng.random_range(0..self.replicas.len()) } else { 0 };
         // A connect failure marks the engine down at once and the request is decided again, as the
         // gateway retries before any byte was streamed.
         if self.replicas[replica].policy.reads_true_state() {

@@ -398,6 +398,8 @@ pub(crate) struct Choosing<'a> {
     pub(crate) decode_tokens: u64,
     /// Workers a copy of that prefix was sent to that do not show it yet.
     pub(crate) copies_in_flight: &'a [WorkerSlot],
+    /// Peer replicas deciding blind to this decision, on average ([`crate::concurrent_peers`]).
+    pub(crate) unseen_peers: f64,
 }
 
 /// What a policy chose, as indices into [`Choosing::scored`].

@@ -229,9 +229,11 @@ impl Policy for Projected {
 /// The enforce choice and its reason.
 fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
     let scored = c.scored;
+    let cost = |i: usize| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
     if scored.iter().any(|s| s.cached_tokens > 0) {
-        let cost = |i: usize| scored[i].terms.cost_s(c.prefill_weight, c.cfg.batch_delay_weight);
-        let projected_winner = super::argmin(scored.len(), cost, c.draw).unwrap_or(c.load_winner);
+        let best = super::argmin(scored.len(), cost, c.draw).unwrap_or(c.load_winner);
+        let spread = spread_among_near_ties(c, best, cost);
+        let projected_winner = spread.unwrap_or(best);
         let reuse = deeper_holder_within_slack(c, projected_winner);
         let cache_winner = reuse.unwrap_or(projected_winner);
         let (w, l) = (&scored[cache_winner], &scored[c.load_winner]);
@@ -244,9 +246,46 @@ fn enforce_choice(c: &Choosing<'_>) -> (usize, Reason) {
         if cache_winner != c.load_winner && copy_pays(c, cache_winner) {
             return (c.load_winner, Reason::Replicate);
         }
-        return (cache_winner, Reason::CacheAndLoad);
+        return (cache_winner, if spread.is_some() { Reason::Spread } else { Reason::CacheAndLoad });
     }
-    super::load_only(c)
+    match super::load_only(c) {
+        (winner, Reason::LoadOnly) => {
+            spread_among_near_ties(c, winner, cost).map_or((winner, Reason::LoadOnly), |i| (i, Reason::Spread))
+        }
+        fallback => fallback,
+    }
+}
+
+/// How far above the best cost a worker may be to share in a spread, in seconds of the best
+/// worker's uncached prefill per peer deciding blind: a near-tie is closer than a fraction of the
+/// prefill each coinciding request brings.
+pub const SPREAD_TOLERANCE: f64 = 0.2;
+
+/// How many of the best workers a spread draws from per request deciding at the same instant
+/// (this one and its blind peers): twice as many as there are requests, so that independent draws
+/// seldom coincide.
+pub const SPREAD_WIDTH: f64 = 2.0;
+
+/// When peer replicas decide blind to this decision ([`crate::concurrent_peers`]), a worker drawn
+/// at random among the `⌈SPREAD_WIDTH × (k + 1)⌉` cheapest whose cost is within
+/// `SPREAD_TOLERANCE × k` of the best worker's uncached prefill seconds above the best, `k` the
+/// blind peers; `None` when the draw is the best worker itself, or no peer decides blind.
+///
+/// Every replica scores the same fleet alike, so without this they all choose the same best worker
+/// for requests that arrive together, and it gets all of them. Workers much dearer than the best
+/// are never drawn: a request whose cached owner is clearly best still goes there.
+fn spread_among_near_ties(c: &Choosing<'_>, best: usize, cost: impl Fn(usize) -> f64) -> Option<usize> {
+    let k = c.unseen_peers;
+    if k < crate::concurrent_peers::CONCURRENT_MIN {
+        return None;
+    }
+    let ceiling = cost(best) + SPREAD_TOLERANCE * k * c.scored[best].terms.prefill_s;
+    let mut near: Vec<usize> = (0..c.scored.len()).filter(|&i| cost(i) <= ceiling).collect();
+    near.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(a.cmp(&b)));
+    let width = near.len().min((SPREAD_WIDTH * (k + 1.0)).ceil() as usize).max(1);
+    // Bits of the draw that the tie-break above does not use.
+    let drawn = near[(c.draw.rotate_right(32) % width as u64) as usize];
+    (drawn != best).then_some(drawn)
 }
 
 /// The worker holding the longest cached prefix of the request, when it holds more than the

@@ -318,6 +318,23 @@ impl Router {
             .collect()
     }
 
+    /// How many peer replicas decide blind to this one's decisions, and whether in step with it
+    /// ([`crate::concurrent_peers`]).
+    pub fn concurrent_peers(&self) -> crate::ConcurrentPeers {
+        self.fleet.lock().concurrency.estimate()
+    }
+
+    /// A request reached this replica at `now`: counts it for [`Router::concurrent_peers`], and
+    /// says how long it should wait before its decision, at most `max_stagger`
+    /// ([`crate::stagger_delay`], `draw` its randomness). Call it once per request, before the
+    /// first decision, while sharing reservations with peer replicas.
+    pub fn arrived(&self, now: Timestamp, max_stagger: Duration, draw: u64) -> (Duration, crate::ConcurrentPeers) {
+        let mut fleet = self.fleet.lock();
+        let peers = fleet.concurrency.estimate();
+        fleet.concurrency.note_arrival(now, max_stagger);
+        (crate::stagger_delay(peers, max_stagger, draw), peers)
+    }
+
     /// Requests holding reservations.
     pub fn in_flight(&self) -> usize {
         self.fleet.lock().requests.len()
@@ -422,6 +439,10 @@ impl Router {
                     .collect()
             })
             .unwrap_or_default();
+        let unseen_peers = fleet.concurrency.estimate().unseen;
+        if commit {
+            fleet.concurrency.note_decision(now);
+        }
 
         let mut choosing = Choosing {
             scored: &scored,
@@ -436,6 +457,7 @@ impl Router {
             heat,
             decode_tokens: req.max_tokens,
             copies_in_flight: &copies_in_flight,
+            unseen_peers,
         };
         let Choice { chosen, reason, enforce } = policy_for(cfg.name).choose(&mut choosing);
 

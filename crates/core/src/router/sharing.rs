@@ -141,6 +141,8 @@ impl Router {
     pub fn apply_peer_changes(&self, peer: &ReplicaId, changes: &[ReservationChange], now: Timestamp) -> PeerApply {
         let mut guard = self.fleet.lock();
         let index = self.index.read();
+        let decisions = changes.iter().filter(|c| matches!(c, ReservationChange::Reserved { .. })).count();
+        guard.concurrency.note_peer_decisions(u32::try_from(decisions).unwrap_or(u32::MAX), now);
         let Fleet { workers, by_id, peers, demand, .. } = &mut *guard;
         let (p, next_local) = peers.heard(peer, now);
         let mut stats = PeerApply::default();

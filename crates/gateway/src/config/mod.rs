@@ -19,7 +19,7 @@ mod worker;
 pub use limits::*;
 pub use overrides::Overrides;
 pub use replicas::{
-    ReplicasConfig, DEFAULT_SUBJECT, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS,
+    ReplicasConfig, DEFAULT_SUBJECT, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS, REPLICA_STAGGER_MS,
     REPLICA_STATE_INTERVAL_MS,
 };
 pub use worker::{rank_endpoint, redact_url, EngineKind, WorkerSpec};
@@ -607,7 +607,8 @@ mod tests {
 #[cfg(test)]
 mod doc_tests {
     use super::{
-        KNOBS, LIMIT_KNOBS, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS, REPLICA_STATE_INTERVAL_MS,
+        KNOBS, LIMIT_KNOBS, REPLICA_EXPIRY_MS, REPLICA_FLUSH_MS, REPLICA_LAZY_FLUSH_MS, REPLICA_STAGGER_MS,
+        REPLICA_STATE_INTERVAL_MS,
     };
 
     #[test]
@@ -618,6 +619,7 @@ mod doc_tests {
             REPLICA_FLUSH_MS,
             REPLICA_LAZY_FLUSH_MS,
             REPLICA_STATE_INTERVAL_MS,
+            REPLICA_STAGGER_MS,
         ]) {
             let row = format!("| `{}` |", k.name);
             let line = doc

@@ -19,6 +19,7 @@ pub(super) struct ReplicasTable {
     pub(super) flush_ms: Option<u64>,
     pub(super) lazy_flush_ms: Option<u64>,
     pub(super) state_interval_ms: Option<u64>,
+    pub(super) stagger_ms: Option<u64>,
 }
 
 /// The subject replicas share reservations on when none is configured.
@@ -57,6 +58,15 @@ pub const REPLICA_STATE_INTERVAL_MS: Knob = Knob {
     meaning: "how often a replica publishes all its reservations (heals lost messages; doubles as its heartbeat); must be under half of expiry_ms",
 };
 
+/// See [`ReplicasConfig::stagger`].
+pub const REPLICA_STAGGER_MS: Knob = Knob {
+    name: "stagger_ms",
+    min: 0.0,
+    max: 1000.0,
+    default: 10.0,
+    meaning: "while peer replicas decide in step with this one (requests reaching several replicas in the same instant), a new request waits a random 0 to this long before its decision, so the peers' reservations of that instant arrive first; 0 never waits",
+};
+
 /// Validated `[replicas]` settings; present only when a bus is configured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicasConfig {
@@ -75,6 +85,8 @@ pub struct ReplicasConfig {
     pub lazy_flush: Duration,
     /// See [`REPLICA_STATE_INTERVAL_MS`].
     pub state_interval: Duration,
+    /// See [`REPLICA_STAGGER_MS`].
+    pub stagger: Duration,
 }
 
 fn millis(knob: Knob, value: Option<u64>) -> Result<Duration, GatewayError> {
@@ -119,7 +131,8 @@ impl ReplicasTable {
                 || self.expiry_ms.is_some()
                 || self.flush_ms.is_some()
                 || self.lazy_flush_ms.is_some()
-                || self.state_interval_ms.is_some();
+                || self.state_interval_ms.is_some()
+                || self.stagger_ms.is_some();
             if set {
                 return Err(GatewayError::Config(
                     "[replicas]: settings are given but no bus; set bus = \"nats://HOST:4222\"".into(),
@@ -165,7 +178,17 @@ impl ReplicasTable {
                 flush.as_millis()
             )));
         }
-        Ok(Some(ReplicasConfig { bus: bus.to_owned(), subject, replica_id, expiry, flush, lazy_flush, state_interval }))
+        let stagger = millis(REPLICA_STAGGER_MS, self.stagger_ms)?;
+        Ok(Some(ReplicasConfig {
+            bus: bus.to_owned(),
+            subject,
+            replica_id,
+            expiry,
+            flush,
+            lazy_flush,
+            state_interval,
+            stagger,
+        }))
     }
 }
 
@@ -184,6 +207,9 @@ mod tests {
         assert_eq!(c.subject, DEFAULT_SUBJECT);
         assert_eq!((c.expiry, c.state_interval), (Duration::from_secs(5), Duration::from_secs(1)));
         assert_eq!((c.flush, c.lazy_flush), (Duration::from_millis(2), Duration::from_millis(20)));
+        assert_eq!(c.stagger, Duration::from_millis(10));
+        let off = ReplicasTable { stagger_ms: Some(0), ..table(Some("nats://h:1")) }.build().unwrap().unwrap();
+        assert_eq!(off.stagger, Duration::ZERO);
         let other = table(Some("nats://127.0.0.1:4222")).build().unwrap().unwrap();
         assert_ne!(c.replica_id, other.replica_id, "two replicas started alike still differ");
     }

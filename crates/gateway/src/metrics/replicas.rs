@@ -5,6 +5,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// `direction` and `outcome` labels of bus messages.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -27,6 +28,10 @@ pub struct ReplicaMetrics {
     pub peers_expired: Counter,
     /// Peer reservation changes applied.
     pub changes_applied: Counter,
+    /// Peer decisions made blind to each of this replica's, on average, as of its last request.
+    pub concurrent_peers: Gauge<f64, AtomicU64>,
+    /// Requests held back before their decision because peers decided in step.
+    pub staggered: Counter,
     messages: Family<MessageLabels, Counter>,
     /// Every direction and outcome, created at registration: a message counts without a lookup
     /// in the family (a lock and a hash each), and every series shows from the start.
@@ -64,6 +69,16 @@ impl ReplicaMetrics {
             "replica_changes_applied",
             "Peer reservation changes applied to this replica's view",
             m.changes_applied.clone(),
+        );
+        registry.register(
+            "replica_concurrent_peers",
+            "Peer replicas' decisions made blind to each of this replica's, on average (as of its last request)",
+            m.concurrent_peers.clone(),
+        );
+        registry.register(
+            "replica_staggered",
+            "Requests held up to stagger_ms before their decision because peers decided in step",
+            m.staggered.clone(),
         );
         registry.register("replica_messages", "Replica bus messages by direction and outcome", m.messages.clone());
         m

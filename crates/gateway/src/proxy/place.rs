@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_core::{BlockKey, DecideError, Decision, FallbackReason, Mode, Reason, RequestId, RouteRequest, WorkerId};
 use kvgate_tokenizer::request::{Endpoint, Parsed};
+use rand::RngCore;
 
 use super::flight::Flight;
 use crate::error::ApiError;
@@ -113,6 +114,15 @@ pub(super) async fn place(
     queue: &mut QueueSlot<'_>,
     deadline: Instant,
 ) -> Result<Flight, ApiError> {
+    if tried.is_empty() {
+        // Peers deciding in the same instants would all choose the same engine: let their
+        // reservations arrive first (kvgate_core::concurrent_peers).
+        let draw = state.rng.lock().next_u64();
+        let wait = state.replicas.stagger(&state.router, state.clock.now(), draw);
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
     loop {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let route = RouteRequest {

@@ -92,6 +92,8 @@ pub struct ReplicasView {
     pub counters: ReplicaCounters,
     /// Peers heard from and not expired.
     pub peers: Vec<PeerStatus>,
+    /// How the peers' requests coincide with this replica's ([`kvgate_core::concurrent_peers`]).
+    pub concurrency: kvgate_core::ConcurrentPeers,
 }
 
 impl Replicas {
@@ -114,7 +116,23 @@ impl Replicas {
             connected: counters.bus_state == "connected",
             counters,
             peers: router.peers(now),
+            concurrency: router.concurrent_peers(),
         }
+    }
+
+    /// A new request arrived at `now`: how long it waits before its decision
+    /// ([`kvgate_core::Router::arrived`]): nothing unless sharing is on and the peers decide in
+    /// step with this replica.
+    pub fn stagger(&self, router: &Router, now: Timestamp, draw: u64) -> Duration {
+        let Some(max) = self.config.as_ref().map(|c| c.stagger) else {
+            return Duration::ZERO;
+        };
+        let (wait, peers) = router.arrived(now, max, draw);
+        self.metrics.concurrent_peers.set(peers.unseen);
+        if !wait.is_zero() {
+            self.metrics.staggered.inc();
+        }
+        wait
     }
 
     fn set_bus_state(&self, bus_state: &'static str, at_ms: u64) {

@@ -125,6 +125,10 @@ impl SimPolicy for CorePolicy {
         true
     }
 
+    fn arrived(&mut self, now: Timestamp, max_stagger: std::time::Duration, draw: u64) -> std::time::Duration {
+        self.router.arrived(now, max_stagger, draw).0
+    }
+
     fn reservation_changes_due_at(&self) -> Option<Timestamp> {
         self.router.reservation_changes_due_at()
     }

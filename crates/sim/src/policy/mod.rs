@@ -145,6 +145,11 @@ pub trait SimPolicy {
     fn share_reservations(&mut self, _windows: BatchWindows) -> bool {
         false
     }
+    /// A request reached this sharing replica: how long it waits before its decision, at most
+    /// `max_stagger` ([`kvgate_core::Router::arrived`]).
+    fn arrived(&mut self, _now: Timestamp, _max_stagger: std::time::Duration, _draw: u64) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
     /// When the queued reservation changes are due to be published.
     fn reservation_changes_due_at(&self) -> Option<Timestamp> {
         None

@@ -200,10 +200,7 @@ pub fn fuzz_peer_bytes(bytes: &[u8], socket: SocketType, limits: &Limits) -> Res
     if buf.len() < 64 {
         return Err(ZmtpError::Closed);
     }
-    let mut theirs = [0u8; 64];
-    theirs.copy_from_slice(&buf[..64]);
-    buf.advance(64);
-    check_greeting(&theirs)?;
+    take_greeting(&mut buf)?;
     let frame = decode_frame(&mut buf, limits)?.ok_or(ZmtpError::Closed)?;
     check_peer_ready(&frame, socket)?;
     let (mut partial, mut partial_bytes, mut messages) = (Vec::new(), 0, Vec::new());
@@ -211,6 +208,15 @@ pub fn fuzz_peer_bytes(bytes: &[u8], socket: SocketType, limits: &Limits) -> Res
         messages.extend(assemble(&mut partial, &mut partial_bytes, frame, limits)?);
     }
     Ok(messages)
+}
+
+/// Takes the peer's 64-byte greeting off the front of `buf` (which holds at least 64 bytes) and
+/// checks it.
+fn take_greeting(buf: &mut BytesMut) -> Result<(), ZmtpError> {
+    let mut theirs = [0u8; 64];
+    theirs.copy_from_slice(&buf[..64]);
+    buf.advance(64);
+    check_greeting(&theirs)
 }
 
 impl Connection {
@@ -232,10 +238,7 @@ impl Connection {
         let handshake = async {
             conn.writer.write_all(&greeting()).await?;
             conn.fill(64).await?;
-            let mut theirs = [0u8; 64];
-            theirs.copy_from_slice(&conn.buf[..64]);
-            conn.buf.advance(64);
-            check_greeting(&theirs)?;
+            take_greeting(&mut conn.buf)?;
             let mut out = Vec::new();
             encode_frame(&mut out, FLAG_COMMAND, &ready(socket.as_str()));
             conn.writer.write_all(&out).await?;

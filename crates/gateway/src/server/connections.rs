@@ -191,14 +191,6 @@ impl<T: Clone> ConnectionTable<T> {
         }
     }
 
-    /// Whether `id` has answered a request (a closed connection has not).
-    pub fn was_served(&self, id: ConnectionId) -> bool {
-        matches!(
-            self.phases.get(&id),
-            Some((Phase::Waiting { served: true, .. } | Phase::Shed { served: true } | Phase::InRequest, _))
-        )
-    }
-
     /// The header and idle timeout at the current occupancy: the configured one up to half the cap,
     /// then shrinking in proportion to the floor at the cap.
     pub fn header_timeout(&self) -> Duration {

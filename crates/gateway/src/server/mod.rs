@@ -71,6 +71,9 @@ const PRESSURE_TICK: Duration = Duration::from_millis(50);
 struct Slot {
     /// Woken when the connection is chosen to be closed.
     shed: Notify,
+    /// Set before `shed` is woken: whether the connection has answered a request, so it has
+    /// something to flush and is closed gracefully rather than dropped.
+    shed_served: AtomicBool,
     /// Whether a read that found the socket dry was reported since the connection last finished a
     /// request: one report per wait is enough.
     starved_reported: AtomicBool,
@@ -94,6 +97,7 @@ impl Connections {
     fn shed(&self, shed: Vec<Shed<Arc<Slot>>>, reason: &str) {
         for s in shed {
             self.metrics().count_shed(reason);
+            s.signal.shed_served.store(s.served, Ordering::Relaxed);
             s.signal.shed.notify_one();
         }
     }
@@ -168,11 +172,19 @@ impl Connections {
     }
 
     /// Closes, oldest first, the connections that waited longer than the timeout shortened by
-    /// pressure; runs until the server stops.
+    /// pressure; runs until the server stops. Without pressure hyper's own header timeout is the
+    /// configured one, and the task sleeps until the table changes.
     async fn enforce_pressure_timeouts(self: Arc<Self>) {
         let mut tick = tokio::time::interval(PRESSURE_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !self.table.lock().under_pressure() {
+                notified.await;
+                continue;
+            }
             tick.tick().await;
             let now = self.clock.instant();
             let shed = {
@@ -367,6 +379,10 @@ pub(crate) async fn run(
             let mut table = connections.table.lock();
             let opened = table.open(connections.clock.instant(), slot.clone());
             connections.observe(&table);
+            if table.under_pressure() {
+                // Wakes the task that enforces the shortened timeout.
+                connections.changed.notify_waiters();
+            }
             opened
         };
         connections.metrics().accepted.inc();
@@ -436,7 +452,7 @@ async fn serve_connection(
                 shedding = true;
                 // A connection that never answered has nothing to flush: drop it. One kept alive
                 // after a response is closed by hyper, after whatever it still writes.
-                if !served(&connections, id) {
+                if !slot.shed_served.load(Ordering::Relaxed) {
                     break;
                 }
                 conn.as_mut().graceful_shutdown();
@@ -450,9 +466,4 @@ async fn serve_connection(
         }
     }
     connections.close(id);
-}
-
-/// Whether the connection `id`, chosen to be closed, answered a request before.
-fn served(connections: &Connections, id: ConnectionId) -> bool {
-    connections.table.lock().was_served(id)
 }

@@ -5,7 +5,7 @@
 # prefix-cache hit rate (cached over prompt tokens by the engines' own counters, summed over the
 # fleet: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, or
 # sglang:cached_tokens_total / sglang:prompt_tokens_total). Not part of CI; results go in
-# docs/benchmarks.md.
+# docs/benchmarks-fleets.md.
 #
 # Usage: scripts/real-engines/bench.sh [ROWS] [ENGINES] [TIME_SCALE] [REPEATS] [CONFIGS]
 #   ROWS        trace rows replayed (default 400: 13.5% of their blocks are a prefix seen before)

@@ -15,7 +15,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 /// The gateway allocates and frees small buffers for every request (headers, bodies, JSON);
-/// mimalloc's thread-local free lists make that cheaper than glibc's malloc (docs/benchmarks.md).
+/// mimalloc's thread-local free lists make that cheaper than glibc's malloc (docs/benchmarks-gateway.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -37,7 +37,7 @@
 //! Each request on its own is best served by a holder of its prefix, so a hot prefix's holders
 //! would carry its whole traffic for good. `enforce` also sends a request to the load-only winner
 //! when that makes it a copy of the hot prefix worth more to the prefix's later requests than it
-//! costs this one (reason `replicate`; docs/routing.md, "Copying a hot prefix").
+//! costs this one (reason `replicate`; docs/routing-advanced.md, "Copying a hot prefix").
 
 use crate::decision::Reason;
 use crate::policy::{Choice, Choosing, Mode, Policy, PolicyConfig, KV_BARRIER_MAX_S};
@@ -293,7 +293,7 @@ fn spread_among_near_ties(c: &Choosing<'_>, best: usize, cost: impl Fn(usize) ->
 /// such worker when several hold as much). Off (`reuse_slack` 0) by default: the projected
 /// winner minimises this request's time to its first token with the fleet's prefill load on its
 /// uncached part, and a slack trades some of that time for prefill the fleet does not compute
-/// twice (measured in docs/routing.md, "Reuse slack").
+/// twice (measured in docs/routing-advanced.md, "Reuse slack").
 fn deeper_holder_within_slack(c: &Choosing<'_>, projected_winner: usize) -> Option<usize> {
     if c.cfg.reuse_slack <= 0.0 {
         return None;

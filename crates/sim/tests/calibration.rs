@@ -46,7 +46,7 @@ fn planned_prefill_of_first(scale: f64, calibrate: bool, seed: u64) -> f64 {
 }
 
 /// The median over seeds 1 to 3 of engine 0's planned prefill rate: one seed's estimate is noisy
-/// (docs/routing.md shows each).
+/// (docs/routing-advanced.md shows each).
 fn median_planned_prefill_of_first(scale: f64) -> f64 {
     median_of_three(|seed| planned_prefill_of_first(scale, true, seed))
 }

@@ -180,7 +180,7 @@ pub async fn the_prefill_rate_is_measured_from_the_engines_own_step_cadence(flee
          measured from steps {measured_off:.0} with calibration off (planned {planned_off:.0}), {measured:.0} on (planned {planned:.0})",
         mean_gap.as_secs_f64() * 1e3
     );
-    // The steps read 1.1–1.8× the client's round trips on this engine (docs/routing.md: the fit
+    // The steps read 1.1–1.8× the client's round trips on this engine (docs/routing-advanced.md: the fit
     // gives part of each busy step's time to its running sequences, and the lone prompts run alone);
     // what must hold is that a rate configured 3× off is replaced by one within 2× of the truth.
     Rates { measured, planned, reference: reference_rate, configured }.ensure_replaced("prefill", 0.6..=2.0)?;
@@ -350,7 +350,7 @@ pub async fn the_decode_rate_is_measured_from_the_engines_decode_filled_blocks(
          {measured:.0} on (planned {planned:.0})",
         inter_token_s * 1e3
     );
-    // 0.81–1.07× in fifteen local runs of 2026-12-03 (docs/routing.md).
+    // 0.81–1.07× in fifteen local runs of 2026-12-03 (docs/routing-advanced.md).
     Rates { measured, planned, reference: reference_rate, configured }.ensure_replaced("decode", 0.6..=1.6)?;
     gw.stop().await;
     Ok(())

@@ -302,11 +302,11 @@ impl std::fmt::Debug for Metrics {
 mod doc_tests {
     use super::Metrics;
 
-    /// Every metric the gateway registers has its row in docs/operations.md's metric tables (a
+    /// Every metric the gateway registers has its row in docs/metrics.md's tables (a
     /// counter under its `_total` sample name), and every `kvgate_` row there is registered.
     #[test]
-    fn operations_doc_lists_every_metric_and_no_other() {
-        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
+    fn metrics_doc_lists_every_metric_and_no_other() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/metrics.md")).unwrap();
         let documented: std::collections::BTreeSet<String> = doc
             .lines()
             .filter_map(|l| l.strip_prefix("| `kvgate_")?.split('`').next().map(|n| format!("kvgate_{n}")))
@@ -322,7 +322,7 @@ mod doc_tests {
             .collect();
         let undocumented: Vec<_> = registered.difference(&documented).collect();
         let unknown: Vec<_> = documented.difference(&registered).collect();
-        assert!(undocumented.is_empty(), "metrics missing from docs/operations.md: {undocumented:?}");
-        assert!(unknown.is_empty(), "docs/operations.md lists metrics the gateway does not register: {unknown:?}");
+        assert!(undocumented.is_empty(), "metrics missing from docs/metrics.md: {undocumented:?}");
+        assert!(unknown.is_empty(), "docs/metrics.md lists metrics the gateway does not register: {unknown:?}");
     }
 }

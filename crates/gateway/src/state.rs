@@ -255,3 +255,82 @@ impl AppState {
         log.push_back(LoggedDecision { at_ms, endpoint, decision, estimated_prompt_tokens });
     }
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use std::collections::BTreeSet;
+
+    use kvgate_core::{Decision, FallbackReason, Mode, PolicyName, Reason, RequestId, ScoreTerms, WorkerId};
+    use serde_json::Value;
+
+    use super::LoggedDecision;
+
+    /// The `| `field` |` rows of each `## ` section of docs/decisions.md.
+    fn documented() -> Vec<(String, BTreeSet<String>)> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/decisions.md")).unwrap();
+        let mut sections: Vec<(String, BTreeSet<String>)> = Vec::new();
+        for line in doc.lines() {
+            if let Some(title) = line.strip_prefix("## ") {
+                sections.push((title.to_owned(), BTreeSet::new()));
+            } else if let (Some(field), Some((_, rows))) = (line.strip_prefix("| `"), sections.last_mut()) {
+                rows.insert(field.split('`').next().unwrap_or_default().to_owned());
+            }
+        }
+        sections
+    }
+
+    fn keys(v: &Value) -> BTreeSet<String> {
+        v.as_object().expect("an object").keys().cloned().collect()
+    }
+
+    /// Every field a decision log entry can carry (each optional one present) is in
+    /// docs/decisions.md, in the section for its level, and the page lists no other.
+    #[test]
+    fn decisions_doc_lists_every_record_field() {
+        let score = ScoreTerms {
+            worker: WorkerId::new("a"),
+            projected_s: 0.5,
+            cost_s: 0.5,
+            cached_tokens: 0,
+            wait_s: 0.1,
+            decode_s: 0.1,
+            prefill_s: 0.3,
+            barrier_s: 0.0,
+            batch_delay_s: 0.0,
+            load_only_s: 0.5,
+            waiting_requests: 1,
+            prefill_tokens_per_s: 1.0,
+            decode_tokens_per_s: 1.0,
+            credit_withheld: Some(FallbackReason::Stale),
+        };
+        let decision = Decision {
+            request: RequestId(1),
+            policy: PolicyName::Projected,
+            mode: Mode::Enforce,
+            worker: WorkerId::new("a"),
+            reason: Reason::LoadOnly,
+            load_only_worker: WorkerId::new("a"),
+            enforce_worker: Some(WorkerId::new("a")),
+            enforce_reason: Some(Reason::LoadOnly),
+            prompt_tokens: 10,
+            cached_tokens: 0,
+            prefill_weight: 1.0,
+            scores: vec![score],
+        };
+        let entry =
+            LoggedDecision { at_ms: 1, endpoint: "/v1/completions", decision, estimated_prompt_tokens: Some(3) };
+        let v = serde_json::to_value(&entry).unwrap();
+        let sections = documented();
+        let section = |title: &str| {
+            sections
+                .iter()
+                .find(|(t, _)| t == title)
+                .unwrap_or_else(|| panic!("docs/decisions.md lacks ## {title}"))
+                .1
+                .clone()
+        };
+        assert_eq!(section("The log entry"), keys(&v));
+        assert_eq!(section("The decision"), keys(&v["decision"]));
+        assert_eq!(section("Each engine's score"), keys(&v["decision"]["scores"][0]));
+    }
+}

@@ -314,3 +314,61 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
         .into_response()
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use std::collections::BTreeSet;
+
+    const METHODS: [&str; 4] = ["GET", "POST", "PUT", "DELETE"];
+
+    /// `METHOD /path` for every admin and worker-API route this file registers.
+    fn registered() -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for line in include_str!("mod.rs").lines().filter(|l| l.trim_start().starts_with(".route(\"")) {
+            let path = line.split('"').nth(1).unwrap_or_default();
+            if !(path.starts_with("/admin") || path.starts_with("/workers")) {
+                continue;
+            }
+            for method in METHODS {
+                let call = format!("{}(", method.to_lowercase());
+                if line.split(|c: char| !(c.is_alphanumeric() || c == '(')).any(|w| w.starts_with(&call)) {
+                    out.insert(format!("{method} {path}"));
+                }
+            }
+        }
+        out
+    }
+
+    /// `METHOD /path` for every route named in docs/operations.md's admin table (`GET/DELETE /x`
+    /// names two; a query string is not part of the route).
+    fn documented() -> BTreeSet<String> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md")).unwrap();
+        let table = doc.split("## Admin API").nth(1).expect("docs/operations.md has ## Admin API");
+        let table = table.split("\n## ").next().unwrap_or_default();
+        let mut out = BTreeSet::new();
+        for row in table.lines().filter(|l| l.starts_with("| `")) {
+            let first_cell = row.split(" | ").next().unwrap_or_default();
+            for code in first_cell.split('`').skip(1).step_by(2) {
+                let Some((methods, path)) = code.split_once(' ') else { continue };
+                if !methods.split('/').all(|m| METHODS.contains(&m)) {
+                    continue; // a request body, not a route
+                }
+                let path = path.split('?').next().unwrap_or_default();
+                for method in methods.split('/') {
+                    out.insert(format!("{method} {path}"));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn operations_doc_lists_every_admin_route_and_no_other() {
+        let (code, doc) = (registered(), documented());
+        assert!(code.len() >= 15, "the route parser found too few routes: {code:?}");
+        let missing: Vec<_> = code.difference(&doc).collect();
+        let unknown: Vec<_> = doc.difference(&code).collect();
+        assert!(missing.is_empty(), "routes missing from docs/operations.md's admin table: {missing:?}");
+        assert!(unknown.is_empty(), "docs/operations.md's admin table names routes that do not exist: {unknown:?}");
+    }
+}

@@ -565,7 +565,7 @@ async fn a_lost_last_batch_is_caught_up_after_two_quiet_seconds() {
     let text = system_prompt("quiet");
     p.publish(1, batch(vec![stored(&prompt_tokens(&text), 500, None)]), true).await;
     let quiet = kvgate_gateway::kv_events::IDLE_CATCH_UP;
-    assert_eq!(quiet, Duration::from_secs(2), "as documented in docs/operations.md");
+    assert_eq!(quiet, Duration::from_secs(2), "as documented in docs/kv-events.md");
     tokio::time::advance(quiet - Duration::from_millis(10)).await;
     settle().await;
     assert_eq!(stream_of(&gw.state).last_seq, Some(0), "not before {quiet:?} of quiet");
@@ -603,7 +603,7 @@ async fn a_replay_that_never_answers_is_given_up_after_two_seconds_and_the_strea
     let gw = gateway(&base_toml(&[], &toml)).await;
     p.subscribed().await;
     let limit = kvgate_gateway::kv_events::REPLAY_TIMEOUT;
-    assert_eq!(limit, Duration::from_secs(2), "as documented in docs/operations.md");
+    assert_eq!(limit, Duration::from_secs(2), "as documented in docs/kv-events.md");
     let ms = Duration::from_millis;
     // Even the catch-up on connect asks the silent socket: the view is complete only once it gives up.
     settle().await;

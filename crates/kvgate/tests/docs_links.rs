@@ -1,6 +1,6 @@
 //! Every relative link in the README and under docs/ names a file that exists and, for a Markdown
 //! page, a heading that page has: pages move and sections are renamed, and a reader following a
-//! dead link learns nothing.
+//! dead link learns nothing. And every page a user reads stays short enough to read in one sitting.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -106,4 +106,25 @@ fn anchors_are_made_as_github_makes_them() {
     assert_eq!(slug("gRPC workers (SMG's worker protocol)"), "grpc-workers-smgs-worker-protocol");
     assert_eq!(slug("On real engines: `kvgate demo --engines vllm`"), "on-real-engines-kvgate-demo---engines-vllm");
     assert_eq!(link_targets("see [a](x.md#b) and [c](#d)."), ["x.md#b", "#d"]);
+}
+
+/// The longest a README or docs/ page may grow: a page past it answers more than one kind of
+/// question and should be split (docs/notes/ holds dated logs, which are not read in one sitting).
+const MAX_PAGE_LINES: usize = 320;
+
+#[test]
+fn every_page_a_user_reads_stays_under_the_length_limit() {
+    let long: Vec<String> = pages()
+        .into_iter()
+        .filter(|p| !p.parent().is_some_and(|d| d.ends_with("notes")))
+        .filter_map(|p| {
+            let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+            (lines > MAX_PAGE_LINES).then(|| format!("{}: {lines} lines", p.display()))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "pages over {MAX_PAGE_LINES} lines (split them by the question each part answers):\n{}",
+        long.join("\n")
+    );
 }

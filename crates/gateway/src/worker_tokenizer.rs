@@ -58,7 +58,9 @@ pub async fn resolve(config: &mut GatewayConfig, cache: &Path, wait: Duration) -
                         path: dir.display().to_string(),
                         chat_template: None,
                         content_format: None,
+                        render: None,
                     };
+                    config.tokenizer.resolve_render(&config.workers)?;
                     return Ok(());
                 }
                 Err(e) => last_errors.push(format!("{id}: {e}")),

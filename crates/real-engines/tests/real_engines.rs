@@ -75,6 +75,7 @@ fn common_trials() -> Vec<(&'static str, TrialFn)> {
         real::cache::a_prefix_cache_reset_clears_credit_through_all_blocks_cleared,
         real::demo::the_demo_runs_on_real_engines_and_reuses_their_caches,
         real::occupancy::a_running_batch_delays_a_new_prompt_by_its_steps_not_by_its_drain,
+        real::responses::the_responses_api_prompt_is_the_one_the_engine_runs,
     ]
 }
 
@@ -86,11 +87,7 @@ fn common_trials() -> Vec<(&'static str, TrialFn)> {
 fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
     let mut list = common_trials();
     match runtime {
-        // On SGLang, kvgate's Responses prompt is one token longer than the engine's: vLLM (whose
-        // rendering kvgate follows) tokenizes the rendered conversation with special tokens, a
-        // second BOS, and SGLang does not. Not fixed yet (docs/real-engines.md).
         Runtime::Vllm => list.extend(trials![
-            real::responses::the_responses_api_prompt_is_the_one_the_engine_runs,
             real::calibration::the_prefill_rate_is_measured_from_the_engines_own_step_cadence,
             real::calibration::the_decode_rate_is_measured_from_the_engines_decode_filled_blocks,
         ]),

@@ -36,6 +36,39 @@ pub struct HfOptions {
     /// Memory for the token ids of long prompts' chunks, reused across requests
     /// ([`crate::prompt_cache`]); `None` for [`DEFAULT_CACHE_BYTES`], `Some(0)` for no cache.
     pub prompt_cache_bytes: Option<usize>,
+    /// Whose rendering of a request to reproduce: the engines' prompt ids differ between vLLM and
+    /// SGLang for some requests, and only equal ids earn cache credit.
+    pub rendering: Rendering,
+}
+
+/// Which engine's way of turning a request into prompt ids to reproduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rendering {
+    /// vLLM's ([`crate::conversation`]): the default.
+    #[default]
+    Vllm,
+    /// SGLang's ([`crate::sglang`]); completions always get the tokenizer's special tokens.
+    Sglang,
+}
+
+impl std::str::FromStr for Rendering {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Rendering::Vllm),
+            "sglang" => Ok(Rendering::Sglang),
+            other => Err(format!("unknown rendering {other:?} (vllm or sglang)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Rendering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Rendering::Vllm => "vllm",
+            Rendering::Sglang => "sglang",
+        })
+    }
 }
 
 impl std::fmt::Debug for HfOptions {
@@ -44,6 +77,7 @@ impl std::fmt::Debug for HfOptions {
             .field("chat_template", &self.chat_template)
             .field("content_format", &self.content_format)
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
+            .field("rendering", &self.rendering)
             .finish_non_exhaustive()
     }
 }
@@ -69,6 +103,7 @@ pub struct HfTokenizer {
     template_origin: Option<PathBuf>,
     /// Ids of long prompts' chunks; `Err` says why there is none.
     prompt_cache: Result<PromptCache, String>,
+    rendering: Rendering,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -152,9 +187,13 @@ impl HfTokenizer {
             special,
             content_format: options.content_format,
             clock,
-            source: format!("hf:{}", path.display()),
+            source: match options.rendering {
+                Rendering::Vllm => format!("hf:{}", path.display()),
+                Rendering::Sglang => format!("hf:{} (rendered as SGLang renders)", path.display()),
+            },
             template_origin: origin,
             prompt_cache,
+            rendering: options.rendering,
         })
     }
 
@@ -214,7 +253,9 @@ impl HfTokenizer {
     /// The template a request renders with: its own `chat_template` (vLLM accepts one with
     /// `--trust-request-chat-template`), the `tool_use` one when it has tools, or the default.
     fn template_for(&self, body: &Value) -> Result<std::borrow::Cow<'_, ChatTemplate>, TokenizeError> {
-        if let Some(src) = body.get("chat_template").and_then(Value::as_str) {
+        // SGLang's chat completions have no per-request template.
+        let own = body.get("chat_template").and_then(Value::as_str).filter(|_| self.rendering == Rendering::Vllm);
+        if let Some(src) = own {
             if let Some(named) = self.named.get(src) {
                 return Ok(std::borrow::Cow::Borrowed(named));
             }
@@ -249,6 +290,45 @@ impl HfTokenizer {
             }
         }
         crate::prompt_cache::ids_of(&self.tokenizer, text, special_tokens)
+    }
+
+    /// Whether raw prompts get the tokenizer's special tokens: SGLang adds them whatever the request
+    /// says.
+    fn adds_special_tokens(&self, asked: bool) -> bool {
+        asked || self.rendering == Rendering::Sglang
+    }
+
+    /// A chat request rendered as SGLang renders it, and the continued assistant text it appends.
+    fn render_sglang(&self, body: &Value) -> Result<(String, Option<String>), TokenizeError> {
+        let template = self.template_for(body)?;
+        let chat = crate::sglang::chat(body, template.sglang_content_format())?;
+        let mut context = self.special.clone();
+        context.insert("tools".into(), chat.tools);
+        context.insert("documents".into(), Value::Null);
+        context.extend(crate::sglang::template_kwargs(body));
+        context.insert("messages".into(), Value::Array(chat.messages));
+        Ok((template.render(JinjaValue::from_serialize(&context))?, chat.assistant_prefix))
+    }
+
+    /// The ids SGLang appends for continued assistant text: its own tokenization, a leading BOS
+    /// taken off.
+    fn assistant_prefix_ids(&self, prefix: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = crate::prompt_cache::ids_of(&self.tokenizer, prefix, true)?;
+        let bos = self.special.get("bos_token").and_then(Value::as_str).and_then(|t| self.tokenizer.token_to_id(t));
+        if bos.is_some() && ids.first().copied() == bos {
+            ids.remove(0);
+        }
+        Ok(ids)
+    }
+
+    /// SGLang's chat ids: the rendered prompt without special tokens, then any continued text.
+    fn encode_chat_sglang(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        let (text, prefix) = self.render_sglang(body)?;
+        let mut ids = self.encode(&text, false)?;
+        if let Some(prefix) = prefix {
+            ids.extend(self.assistant_prefix_ids(&prefix)?);
+        }
+        Ok(ids)
     }
 
     fn encode_routed(
@@ -298,7 +378,7 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.encode(text, add_special_tokens)
+        self.encode(text, self.adds_special_tokens(add_special_tokens))
     }
 
     fn encode_prompt_routed(
@@ -307,7 +387,7 @@ impl PromptTokenizer for HfTokenizer {
         add_special_tokens: bool,
         probe: &mut dyn RoutingProbe,
     ) -> Result<PromptIds, TokenizeError> {
-        self.encode_routed(text, add_special_tokens, probe)
+        self.encode_routed(text, self.adds_special_tokens(add_special_tokens), probe)
     }
 
     fn tokenizes_partially(&self) -> bool {
@@ -315,6 +395,14 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn encode_chat_routed(&self, body: &Value, probe: &mut dyn RoutingProbe) -> Result<PromptIds, TokenizeError> {
+        if self.rendering == Rendering::Sglang {
+            return match self.render_sglang(body)? {
+                (text, None) => self.encode_routed(&text, false, probe),
+                // Continued text is tokenized apart and appended: rare enough to tokenize whole.
+                (_, Some(_)) if !probe.may_tokenize(usize::MAX) => Err(TokenizeError::Deferred),
+                (_, Some(_)) => self.encode_chat_sglang(body).map(PromptIds::whole),
+            };
+        }
         self.encode_routed(&self.render_chat(body)?, chat_adds_special_tokens(body), probe)
     }
 
@@ -323,6 +411,10 @@ impl PromptTokenizer for HfTokenizer {
             Ok(cache) => cache.finish(rest),
             Err(why) => Err(TokenizeError::Encode(format!("no prompt cache to finish a prompt with: {why}"))),
         }
+    }
+
+    fn rendering(&self) -> Rendering {
+        self.rendering
     }
 
     fn prompt_cache_stats(&self) -> Option<PromptCacheStats> {
@@ -334,6 +426,10 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        if self.rendering == Rendering::Sglang {
+            let (text, prefix) = self.render_sglang(body)?;
+            return Ok(text + prefix.as_deref().unwrap_or_default());
+        }
         let template = self.template_for(body)?;
         let messages = body.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
         let mut messages = conversation(messages, template.content_format(), template.knows_developer_role());
@@ -368,6 +464,9 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        if self.rendering == Rendering::Sglang {
+            return self.encode_chat_sglang(body);
+        }
         self.encode(&self.render_chat(body)?, chat_adds_special_tokens(body))
     }
 }
@@ -459,6 +558,30 @@ mod tests {
         let body = json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial"}],
                           "continue_final_message": true, "add_generation_prompt": false});
         assert_eq!(t.render_chat(&body).unwrap(), "<q><partial");
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn rendering_as_sglang_continues_a_final_assistant_message_with_its_own_ids() {
+        let d = dir("sglang");
+        std::fs::write(
+            d.join("tokenizer_config.json"),
+            json!({"bos_token": "bos", "chat_template": TEMPLATE}).to_string(),
+        )
+        .unwrap();
+        let sglang = HfOptions { rendering: Rendering::Sglang, ..HfOptions::default() };
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), sglang).unwrap();
+        assert_eq!(t.rendering(), Rendering::Sglang);
+        assert!(t.describe().contains("SGLang"), "{}", t.describe());
+        let messages = json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]);
+        // Continued: the prompt up to the generation prompt, then the assistant's text on its own.
+        let body = json!({"messages": messages, "continue_final_message": true, "add_generation_prompt": false});
+        assert_eq!(t.encode_chat(&body).unwrap(), vec![3, 4, 5, 1, 6, 5, 2]);
+        // Not continued: the final assistant message is the user's, and the generation prompt follows.
+        assert_eq!(t.encode_chat(&json!({"messages": messages})).unwrap(), vec![3, 4, 5, 1, 4, 5, 2, 6, 5]);
+        // A request's own template is not SGLang's to use.
+        let own = json!({"messages": [{"role": "user", "content": "hello"}], "chat_template": "{{ 'world' }}"});
+        assert_eq!(t.encode_chat(&own).unwrap(), vec![3, 4, 5, 1, 6, 5]);
         std::fs::remove_dir_all(d).ok();
     }
 }

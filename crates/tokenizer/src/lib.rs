@@ -19,11 +19,12 @@
 //! - [`routed`]: a prompt tokenized only as far as routing needs, the rest estimated.
 //! - [`detokenize`]: output token ids back to text as the engine's own server does, stop strings
 //!   included, for workers that answer with token ids only.
-//! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over.
+//! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over;
+//!   [`sglang`]: the same as SGLang hands them over ([`Rendering`] picks one).
 //! - [`pyjson`], [`strftime`]: Python's `json.dumps` and `strftime`, which templates call.
 //!
-//! The real-engine suite (`crates/real-engines`) checks all of it against a running vLLM's own
-//! `/tokenize`.
+//! The real-engine suite (`crates/real-engines`) checks all of it against the prompt ids a running
+//! vLLM and SGLang report.
 
 #![forbid(unsafe_code)]
 
@@ -35,13 +36,14 @@ pub mod prompt_cache;
 pub mod pyjson;
 pub mod request;
 pub mod routed;
+pub mod sglang;
 pub mod strftime;
 pub mod template;
 
 use serde_json::Value;
 
 pub use builtin::BuiltinTokenizer;
-pub use hf::{HfOptions, HfTokenizer};
+pub use hf::{HfOptions, HfTokenizer, Rendering};
 pub use routed::{PromptIds, RoutingProbe, Untokenized};
 pub use template::ContentFormat;
 
@@ -109,6 +111,10 @@ pub trait PromptTokenizer: Send + Sync {
     fn finish(&self, rest: &Untokenized) -> Result<Vec<u32>, TokenizeError> {
         let _ = rest;
         Err(TokenizeError::Encode("this tokenizer never leaves part of a prompt untokenized".into()))
+    }
+    /// Whose way of turning requests into prompts this tokenizer reproduces.
+    fn rendering(&self) -> Rendering {
+        Rendering::Vllm
     }
     /// What the prompt cache has done, for tokenizers that have one.
     fn prompt_cache_stats(&self) -> Option<prompt_cache::PromptCacheStats> {

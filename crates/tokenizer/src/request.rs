@@ -291,7 +291,7 @@ pub fn parse_routed(
             (tokens, max)
         }
         Endpoint::Responses => {
-            let chat = responses::as_chat(body)?;
+            let chat = responses::as_chat(body, tokenizer.rendering())?;
             let has_messages = chat["messages"].as_array().is_some_and(|m| !m.is_empty());
             // Only tool outputs for a stored conversation: the prompt is the engine's, unseen here.
             let tokens = if has_messages {

@@ -54,6 +54,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     content_format: ContentFormat,
+    /// The format configured, or `Auto` when it is detected.
+    configured_format: ContentFormat,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -95,12 +97,21 @@ impl ChatTemplate {
             ContentFormat::Auto => detect_content_format(source),
             given => given,
         };
-        Ok(ChatTemplate { env, source: source.to_owned(), content_format })
+        Ok(ChatTemplate { env, source: source.to_owned(), content_format, configured_format: format })
     }
 
     /// The content format in use (detected or configured).
     pub fn content_format(&self) -> ContentFormat {
         self.content_format
+    }
+
+    /// The content format SGLang uses: the configured one, else SGLang's own detection, which
+    /// differs from vLLM's ([`crate::sglang::detect_content_format`]).
+    pub fn sglang_content_format(&self) -> ContentFormat {
+        match self.configured_format {
+            ContentFormat::Auto => crate::sglang::detect_content_format(&self.source),
+            given => given,
+        }
     }
 
     /// Whether the template mentions the `developer` role (vLLM turns it into `system` otherwise).

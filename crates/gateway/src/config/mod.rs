@@ -44,7 +44,37 @@ pub enum TokenizerSpec {
         /// `--chat-template-content-format`.
         #[serde(default)]
         content_format: Option<String>,
+        /// Whose way of rendering a request into prompt ids to reproduce: `vllm`, `sglang`, or
+        /// `auto` (the default: `sglang` when every configured HTTP worker is `engine = "sglang"`,
+        /// else `vllm`), resolved when the configuration is read.
+        #[serde(default)]
+        render: Option<String>,
     },
+}
+
+impl TokenizerSpec {
+    /// Resolves `render = "auto"` (or unset) against the configured workers, and checks the value.
+    pub(crate) fn resolve_render(&mut self, workers: &[WorkerSpec]) -> Result<(), GatewayError> {
+        let TokenizerSpec::Hf { render, .. } = self else { return Ok(()) };
+        let resolved = match render.as_deref() {
+            None | Some("auto") => {
+                let http: Vec<&WorkerSpec> = workers.iter().filter(|w| !w.is_grpc()).collect();
+                if !http.is_empty() && http.iter().all(|w| w.engine == EngineKind::Sglang) {
+                    "sglang"
+                } else {
+                    "vllm"
+                }
+            }
+            Some(r @ ("vllm" | "sglang")) => r,
+            Some(other) => {
+                return Err(GatewayError::Config(format!(
+                    "tokenizer render {other:?} is not one of auto, vllm or sglang"
+                )))
+            }
+        };
+        *render = Some(resolved.to_owned());
+        Ok(())
+    }
 }
 
 /// The `[server]` table.
@@ -384,7 +414,8 @@ impl GatewayConfig {
         let workers = f.workers;
         check_distinct(&workers)?;
         let tokenizer_from_workers = f.tokenizer.is_none();
-        let tokenizer = f.tokenizer.unwrap_or_default();
+        let mut tokenizer = f.tokenizer.unwrap_or_default();
+        tokenizer.resolve_render(&workers)?;
         let s = &f.server;
         let t = &f.telemetry;
         let block_size = pick(BLOCK_SIZE, s.block_size)? as u32;
@@ -515,6 +546,30 @@ pub const KNOBS: &[Knob] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn render_of(toml: &str) -> Result<Option<String>, GatewayError> {
+        let cfg = GatewayConfig::from_toml(toml)?;
+        Ok(match cfg.tokenizer {
+            TokenizerSpec::Hf { render, .. } => render,
+            TokenizerSpec::Builtin => None,
+        })
+    }
+
+    #[test]
+    fn the_rendering_follows_an_all_sglang_fleet_unless_set() {
+        let tok = "[tokenizer]\nkind = \"hf\"\npath = \"/m/tokenizer.json\"\n";
+        let sglang = "[[workers]]\nurl = \"http://a:1\"\nengine = \"sglang\"\n";
+        let vllm = "[[workers]]\nurl = \"http://b:1\"\nengine = \"vllm\"\n";
+        let grpc = "[[workers]]\nurl = \"grpc://g:1\"\n";
+        assert_eq!(render_of(&format!("{tok}{sglang}")).unwrap().as_deref(), Some("sglang"));
+        assert_eq!(render_of(&format!("{tok}{sglang}{grpc}")).unwrap().as_deref(), Some("sglang"));
+        assert_eq!(render_of(&format!("{tok}{sglang}{vllm}")).unwrap().as_deref(), Some("vllm"));
+        assert_eq!(render_of(tok).unwrap().as_deref(), Some("vllm"));
+        let set = format!("{tok}render = \"vllm\"\n{sglang}");
+        assert_eq!(render_of(&set).unwrap().as_deref(), Some("vllm"));
+        let bad = render_of(&format!("{tok}render = \"tgi\"\n")).unwrap_err().to_string();
+        assert!(bad.contains("\"tgi\"") && bad.contains("auto, vllm or sglang"), "{bad}");
+    }
 
     #[test]
     fn the_documented_file_form_parses() {

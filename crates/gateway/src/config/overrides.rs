@@ -81,6 +81,10 @@ pub struct Overrides {
     /// from the template), string or openai [default: auto].
     #[arg(long, env = "KVGATE_CHAT_TEMPLATE_CONTENT_FORMAT")]
     pub chat_template_content_format: Option<String>,
+    /// Whose rendering of requests into prompt ids to reproduce, so that ids equal the engines':
+    /// vllm, sglang, or auto (sglang when every HTTP worker is engine=sglang) [default: auto].
+    #[arg(long, env = "KVGATE_TOKENIZER_RENDER")]
+    pub tokenizer_render: Option<String>,
     /// Client API key (repeatable); without any, clients are not authenticated. With exactly one, it
     /// is also sent to the engines unless --worker-api-key says otherwise (as SMG's --api-key does).
     #[arg(long = "api-key", env = "KVGATE_API_KEYS", value_delimiter = ',', hide_env_values = true)]
@@ -208,6 +212,7 @@ impl Overrides {
                     path: path.to_owned(),
                     chat_template: self.chat_template,
                     content_format: self.chat_template_content_format,
+                    render: self.tokenizer_render,
                 })
             }
         }

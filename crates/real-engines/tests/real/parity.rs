@@ -7,7 +7,7 @@ use anyhow::bail;
 use kvgate_real_engines::fleet::{model_dir, Fleet, Runtime};
 use kvgate_real_engines::gateway::{engine_prompt_ids, engine_tokenize, test_overrides, Gateway};
 use kvgate_real_engines::text;
-use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
+use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer, Rendering};
 use serde_json::{json, Value};
 
 /// A string-content template (no loop over content), so text parts are joined as vLLM joins them.
@@ -84,43 +84,33 @@ fn prompts() -> Vec<Value> {
     out
 }
 
-/// Why SGLang 0.5.23 runs a different prompt than vLLM for `body`, if it does: kvgate renders as
-/// vLLM does, so on SGLang these requests are not credited their cache (docs/real-engines.md lists
-/// them as open). Each was seen in the SGLang suite: the engine's ids differ from kvgate's and
-/// vLLM's.
-fn sglang_renders_otherwise(body: &Value) -> Option<&'static str> {
-    let messages = body["messages"].as_array();
-    let any = |f: &dyn Fn(&Value) -> bool| messages.is_some_and(|m| m.iter().any(f));
-    if body.get("continue_final_message").is_some() {
-        return Some("continue_final_message (SGLang refuses it without add_generation_prompt)");
+/// The chats a runtime is asked: vLLM refuses `tool_choice: "auto"` without a tool parser, so its
+/// requests with tools say `"none"` (which still renders them there); SGLang renders tools only when
+/// the choice is not `"none"`, so it is asked both ways.
+fn chats_for(runtime: Runtime) -> Vec<Value> {
+    let mut out = Vec::new();
+    for body in chats() {
+        if body.get("tools").is_none() {
+            out.push(body);
+            continue;
+        }
+        let choices: &[&str] = if runtime == Runtime::Sglang { &["auto", "none"] } else { &["none"] };
+        for choice in choices {
+            let mut b = body.clone();
+            b["tool_choice"] = json!(choice);
+            out.push(b);
+        }
     }
-    if body.get("tools").is_some() {
-        return Some("tools (SGLang renders them otherwise, and drops them for tool_choice none)");
-    }
-    if any(&|m| m["role"] == "developer") {
-        return Some("the developer role (vLLM merges it into system; SGLang passes it on)");
-    }
-    if any(&|m| m["content"].as_str().is_some_and(|c| c.trim() != c)) {
-        return Some("content with leading or trailing whitespace");
-    }
-    if any(&|m| m["content"].as_array().is_some_and(|parts| parts.iter().any(|p| p.get("cache_control").is_some()))) {
-        return Some("content parts with extra fields");
-    }
-    if body["add_generation_prompt"] == false {
-        return Some(
-            "add_generation_prompt false (SGLang's chat completions add the prompt anyway; its /tokenize does not)",
-        );
-    }
-    if body["add_special_tokens"] == false {
-        return Some("add_special_tokens false on completions (SGLang adds BOS anyway)");
-    }
-    None
+    out
 }
 
-/// Compares kvgate's ids for each body with the engine's `/tokenize` and with the prompt ids it ran.
+/// Compares kvgate's ids for each body with the prompt ids the engine ran and, on vLLM, with its
+/// `/tokenize`. (SGLang's `/tokenize` reads `add_generation_prompt`, which its chat completions
+/// ignore, so there the ids it ran are the reference.)
 async fn compare(
     label: &str,
     engine: &str,
+    runtime: Runtime,
     bodies: &[Value],
     kvgate: impl Fn(&Value) -> anyhow::Result<Vec<u32>>,
     failures: &mut Vec<String>,
@@ -134,8 +124,11 @@ async fn compare(
                 continue;
             }
         };
-        let tokenize = engine_tokenize(engine, body).await?;
         let ran = engine_prompt_ids(engine, body).await?;
+        let tokenize = match runtime {
+            Runtime::Vllm => engine_tokenize(engine, body).await?,
+            Runtime::Sglang => ran.clone(),
+        };
         if ours != tokenize || ours != ran {
             failures.push(format!(
                 "{label} #{i}: kvgate {} tokens, engine /tokenize {}, engine ran {}; first difference at {:?}; body {body}",
@@ -153,20 +146,11 @@ async fn compare(
 pub async fn chat_and_completion_token_ids_match_the_engines_own(fleet: Arc<Fleet>) -> anyhow::Result<()> {
     let engine = fleet.engine("a");
     let gw = Gateway::start("", test_overrides(&[engine])).await?;
+    let runtime = engine.spec.runtime;
     let mut failures = Vec::new();
-    let mut chats = chats();
-    assert_eq!(chats.len(), 20);
-    let mut prompts = prompts();
-    let mut left_out = Vec::new();
-    if engine.spec.runtime == Runtime::Sglang {
-        for body in chats.iter().chain(&prompts) {
-            if let Some(why) = sglang_renders_otherwise(body) {
-                left_out.push(why);
-            }
-        }
-        chats.retain(|c| sglang_renders_otherwise(c).is_none());
-        prompts.retain(|p| sglang_renders_otherwise(p).is_none());
-    }
+    assert_eq!(chats().len(), 20);
+    let chats = chats_for(runtime);
+    let prompts = prompts();
 
     // Through the gateway, configured as a user would: tokenizer.json, template found beside it
     // (current transformers writes chat_template.jinja).
@@ -177,38 +161,55 @@ pub async fn chat_and_completion_token_ids_match_the_engines_own(fleet: Arc<Flee
     let by_gateway = std::sync::Mutex::new(through_gateway.into_iter());
     let all: Vec<Value> = chats.iter().chain(&prompts).cloned().collect();
     let mut n =
-        compare("gateway", &engine.url(), &all, |_| by_gateway.lock().unwrap().next().unwrap(), &mut failures).await?;
+        compare("gateway", &engine.url(), runtime, &all, |_| by_gateway.lock().unwrap().next().unwrap(), &mut failures)
+            .await?;
 
     // The older layout: the template inline in tokenizer_config.json.
-    let inline = HfTokenizer::load(&model_dir().join("tokenizer-inline/tokenizer.json"), HfOptions::default())?;
+    let rendering = match runtime {
+        Runtime::Vllm => Rendering::Vllm,
+        Runtime::Sglang => Rendering::Sglang,
+    };
+    let inline = HfTokenizer::load(
+        &model_dir().join("tokenizer-inline/tokenizer.json"),
+        HfOptions { rendering, ..HfOptions::default() },
+    )?;
     if !inline.template_origin().is_some_and(|p| p.ends_with("tokenizer_config.json")) {
         bail!("the inline tokenizer's template came from {:?}", inline.template_origin());
     }
-    n +=
-        compare("tokenizer_config.json template", &engine.url(), &chats, |b| Ok(inline.encode_chat(b)?), &mut failures)
-            .await?;
+    n += compare(
+        "tokenizer_config.json template",
+        &engine.url(),
+        runtime,
+        &chats,
+        |b| Ok(inline.encode_chat(b)?),
+        &mut failures,
+    )
+    .await?;
 
-    // A template that takes content as one string: parts are joined with newlines. (SGLang ignores a
-    // request's `chat_template`: vLLM only.)
+    // A template that takes content as one string: vLLM joins parts with newlines; SGLang ignores a
+    // request's own template, and so must kvgate rendering as SGLang does.
     let string_chats: Vec<Value> = chats
         .iter()
-        .filter(|c| c.get("continue_final_message").is_none() && engine.spec.runtime == Runtime::Vllm)
+        .filter(|c| c.get("continue_final_message").is_none())
         .map(|c| {
             let mut c = c.clone();
             c["chat_template"] = json!(STRING_TEMPLATE);
             c
         })
         .collect();
-    n +=
-        compare("string-content template", &engine.url(), &string_chats, |b| Ok(inline.encode_chat(b)?), &mut failures)
-            .await?;
+    n += compare(
+        "string-content template",
+        &engine.url(),
+        runtime,
+        &string_chats,
+        |b| Ok(inline.encode_chat(b)?),
+        &mut failures,
+    )
+    .await?;
     gw.stop().await;
     if !failures.is_empty() {
         bail!("{} of {n} requests differ:\n{}", failures.len(), failures.join("\n"));
     }
-    eprintln!("    parity: {n} requests, every one equal to the engine's /tokenize and to the prompt it ran");
-    if !left_out.is_empty() {
-        eprintln!("    left out on {}: {}", engine.spec.runtime, left_out.join("; "));
-    }
+    eprintln!("    parity on {runtime}: {n} requests, every one equal to the prompt the engine ran");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The Responses API on a real engine: the prompt kvgate tokenizes for `/v1/responses` is the one
-//! the engine runs (its own `usage.input_tokens`), and a streamed response arrives as the engine's
-//! named events.
+//! the engine runs (its own `usage.input_tokens`), on vLLM and on SGLang (whose conversation and
+//! special tokens differ, `kvgate_tokenizer::request::responses`), and a streamed response arrives
+//! as the engine's named events.
 
 use std::sync::Arc;
 
@@ -44,7 +45,14 @@ pub async fn the_responses_api_prompt_is_the_one_the_engine_runs(fleet: Arc<Flee
     ensure!(resp.status().is_success(), "streamed /v1/responses answered {}", resp.status());
     let events = resp.text().await?;
     ensure!(events.contains("event: response.created"), "no response.created event: {events}");
-    ensure!(events.trim_end().ends_with('}') && events.contains("response.completed"), "not completed: {events}");
+    // A response cut by max_output_tokens ends `response.incomplete` (SGLang, as OpenAI does) or
+    // `response.completed` (vLLM); either is the stream's last event.
+    let last = events.trim_end().rsplit("event: ").next().unwrap_or_default();
+    ensure!(
+        events.trim_end().ends_with('}')
+            && (last.starts_with("response.completed") || last.starts_with("response.incomplete")),
+        "the stream did not end with response.completed or response.incomplete: {events}"
+    );
     gw.stop().await;
     Ok(())
 }

@@ -6,10 +6,20 @@
 //! vLLM tokenizes a rendered Responses prompt with `add_special_tokens` on (its Responses
 //! request builds its tokenizer parameters without the chat request's `False`), so the tokenizer's
 //! BOS comes before the template's own. The chat body built here asks for the same.
+//!
+//! SGLang (0.5.23, `serving_responses.py` `_construct_input_messages`) builds its conversation
+//! otherwise, checked in the same suite: a `developer` item becomes a system message labelled
+//! "Developer instructions:", every system text is gathered into one leading system message joined
+//! by blank lines, list content stays a list of text parts, consecutive assistant messages merge,
+//! and the tools are not rendered; its chat rendering then adds no special tokens.
 
 use serde_json::{json, Value};
 
 use super::RequestError;
+use crate::Rendering;
+
+/// The label SGLang puts before a `developer` item's text.
+const SGLANG_DEVELOPER_LABEL: &str = "Developer instructions:";
 
 /// The text of a content part the engine puts in the prompt (`input_text`, `output_text`, `text`).
 fn part_text(part: &Value) -> Option<&str> {
@@ -19,9 +29,10 @@ fn part_text(part: &Value) -> Option<&str> {
     }
 }
 
-/// One `input` item as a chat message, or `None` for items that are not messages (tool calls and
-/// their outputs, reasoning): they change the prompt's tail, not its shared prefix.
-fn message(item: &Value, i: usize) -> Result<Option<Value>, RequestError> {
+/// One `input` item's role and content (a string or a list of parts), or `None` for items that are
+/// not messages (tool calls and their outputs, reasoning): they change the prompt's tail, not its
+/// shared prefix.
+fn message_item(item: &Value, i: usize) -> Result<Option<(&str, &Value)>, RequestError> {
     let bad = || {
         RequestError::invalid(
             &format!("input[{i}]"),
@@ -35,37 +46,179 @@ fn message(item: &Value, i: usize) -> Result<Option<Value>, RequestError> {
         return Ok(None);
     }
     let role = item.get("role").and_then(Value::as_str).ok_or_else(bad)?;
-    let content = match item.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts.iter().filter_map(part_text).collect::<Vec<_>>().join(""),
-        _ => return Err(bad()),
+    match item.get("content") {
+        Some(content @ (Value::String(_) | Value::Array(_))) => Ok(Some((role, content))),
+        _ => Err(bad()),
+    }
+}
+
+/// One `input` item as vLLM's chat message, or `None` for items that are not messages.
+fn message(item: &Value, i: usize) -> Result<Option<Value>, RequestError> {
+    let Some((role, content)) = message_item(item, i)? else { return Ok(None) };
+    let content = match content {
+        Value::Array(parts) => parts.iter().filter_map(part_text).collect::<Vec<_>>().join(""),
+        other => other.as_str().unwrap_or_default().to_owned(),
     };
     // The Responses API's `developer` role is the chat template's system role.
     let role = if role == "developer" { "system" } else { role };
     Ok(Some(json!({"role": role, "content": content})))
 }
 
-/// A chat-completions body carrying the same conversation, for the chat template.
-pub(super) fn as_chat(body: &Value) -> Result<Value, RequestError> {
-    let mut messages = Vec::new();
-    match body.get("instructions") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+/// A Responses request's `input`.
+enum Input<'a> {
+    Text(&'a str),
+    Items(&'a [Value]),
+}
+
+/// A request's `instructions` and `input`, checked.
+fn instructions_and_input(body: &Value) -> Result<(Option<&str>, Input<'_>), RequestError> {
+    let instructions = match body.get("instructions") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.as_str()),
         Some(_) => return Err(RequestError::invalid("instructions", "`instructions` must be a string")),
+    };
+    let input = match body.get("input") {
+        Some(Value::String(s)) => Input::Text(s),
+        Some(Value::Array(items)) if !items.is_empty() => Input::Items(items),
+        Some(_) => return Err(RequestError::invalid("input", "`input` must be a string or a non-empty list of items")),
+        None => return Err(RequestError::invalid("input", "`input` is required")),
+    };
+    Ok((instructions, input))
+}
+
+/// A chat-completions body carrying the same conversation, for the chat template, as the engine
+/// whose `rendering` is reproduced builds it.
+pub(super) fn as_chat(body: &Value, rendering: Rendering) -> Result<Value, RequestError> {
+    if rendering == Rendering::Sglang {
+        return as_sglang_chat(body);
     }
-    match body.get("input") {
-        Some(Value::String(s)) => messages.push(json!({"role": "user", "content": s})),
-        Some(Value::Array(items)) if !items.is_empty() => {
+    let (instructions, input) = instructions_and_input(body)?;
+    let mut messages = Vec::new();
+    if let Some(text) = instructions {
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    match input {
+        Input::Text(text) => messages.push(json!({"role": "user", "content": text})),
+        Input::Items(items) => {
             for (i, item) in items.iter().enumerate() {
                 messages.extend(message(item, i)?);
             }
         }
-        Some(_) => return Err(RequestError::invalid("input", "`input` must be a string or a non-empty list of items")),
-        None => return Err(RequestError::invalid("input", "`input` is required")),
     }
     let mut chat = json!({"messages": messages, "add_special_tokens": true});
     if let Some(tools) = body.get("tools") {
         chat["tools"] = tools.clone();
     }
     Ok(chat)
+}
+
+/// One `input` message item as SGLang turns it into a chat message (`None`: not a message).
+fn sglang_message(item: &Value, i: usize) -> Result<Option<Value>, RequestError> {
+    let Some((role, content)) = message_item(item, i)? else { return Ok(None) };
+    let mut content = match content {
+        Value::Array(parts) => Value::Array(
+            parts
+                .iter()
+                .map(|p| match p.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text") => {
+                        json!({"type": "text", "text": p.get("text").cloned().unwrap_or_else(|| Value::from(""))})
+                    }
+                    _ => p.clone(),
+                })
+                .collect(),
+        ),
+        other => other.clone(),
+    };
+    let role = if role == "developer" {
+        match &mut content {
+            Value::String(s) => *s = format!("{SGLANG_DEVELOPER_LABEL}\n{s}"),
+            Value::Array(parts) => match parts.iter_mut().find(|p| p.get("text").is_some_and(Value::is_string)) {
+                Some(p) => {
+                    p["text"] = Value::from(format!("{SGLANG_DEVELOPER_LABEL}\n{}", p["text"].as_str().unwrap_or("")))
+                }
+                None => parts.insert(0, json!({"type": "input_text", "text": SGLANG_DEVELOPER_LABEL})),
+            },
+            _ => {}
+        }
+        "system"
+    } else {
+        role
+    };
+    Ok(Some(json!({"role": role, "content": content})))
+}
+
+/// [`as_chat`] as SGLang builds the conversation.
+fn as_sglang_chat(body: &Value) -> Result<Value, RequestError> {
+    let (instructions, input) = instructions_and_input(body)?;
+    let mut messages: Vec<Value> = Vec::new();
+    if let Some(text) = instructions.filter(|t| !t.is_empty()) {
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    match input {
+        Input::Text(text) => messages.push(json!({"role": "user", "content": text})),
+        Input::Items(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let Some(m) = sglang_message(item, i)? else { continue };
+                // Consecutive assistant text is one turn.
+                if let (Some(prev), "assistant") = (messages.last_mut(), m["role"].as_str().unwrap_or("")) {
+                    if prev["role"] == "assistant" {
+                        if let (Some(a), Some(b)) = (prev["content"].as_str(), m["content"].as_str()) {
+                            let sep = if a.is_empty() || b.is_empty() { "" } else { "\n\n" };
+                            prev["content"] = Value::from(format!("{a}{sep}{b}"));
+                            continue;
+                        }
+                    }
+                }
+                messages.push(m);
+            }
+        }
+    }
+    // One leading system message holds every system text.
+    let mut system = Vec::new();
+    let mut rest = Vec::new();
+    for m in messages {
+        if m["role"] != "system" {
+            rest.push(m);
+            continue;
+        }
+        match &m["content"] {
+            Value::String(s) => system.push(s.clone()),
+            Value::Array(parts) => system.extend(parts.iter().filter_map(|p| p["text"].as_str().map(str::to_owned))),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if !system.is_empty() {
+        out.push(json!({"role": "system", "content": system.join("\n\n")}));
+    }
+    out.extend(rest);
+    Ok(json!({"messages": out, "tool_choice": "none"}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sglang_gathers_system_text_labels_developers_and_keeps_parts() {
+        let body = json!({"instructions": "Be terse.", "input": [
+            {"type": "message", "role": "developer", "content": "House rules."},
+            {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
+            {"role": "assistant", "content": "Un"},
+            {"role": "assistant", "content": "Deux"},
+            {"type": "function_call", "name": "f", "arguments": "{}"},
+            {"role": "user", "content": "Two"}]});
+        let chat = as_chat(&body, Rendering::Sglang).unwrap();
+        assert_eq!(
+            chat["messages"],
+            json!([
+                {"role": "system", "content": "Be terse.\n\nDeveloper instructions:\nHouse rules."},
+                {"role": "user", "content": [{"type": "text", "text": "One"}]},
+                {"role": "assistant", "content": "Un\n\nDeux"},
+                {"role": "user", "content": "Two"}])
+        );
+        let vllm = as_chat(&body, Rendering::Vllm).unwrap();
+        assert_eq!(vllm["messages"][1], json!({"role": "system", "content": "House rules."}));
+        assert_eq!(vllm["add_special_tokens"], true);
+    }
 }

@@ -253,16 +253,19 @@ impl HfTokenizer {
     /// The template a request renders with: its own `chat_template` (vLLM accepts one with
     /// `--trust-request-chat-template`), the `tool_use` one when it has tools, or the default.
     fn template_for(&self, body: &Value) -> Result<std::borrow::Cow<'_, ChatTemplate>, TokenizeError> {
-        // SGLang's chat completions have no per-request template.
-        let own = body.get("chat_template").and_then(Value::as_str).filter(|_| self.rendering == Rendering::Vllm);
-        if let Some(src) = own {
+        if let Some(src) = body.get("chat_template").and_then(Value::as_str) {
             if let Some(named) = self.named.get(src) {
                 return Ok(std::borrow::Cow::Borrowed(named));
             }
             let compiled = ChatTemplate::compile(src, self.content_format, self.clock.clone())?;
             return Ok(std::borrow::Cow::Owned(compiled));
         }
-        let has_tools = body.get("tools").is_some_and(|t| !t.is_null());
+        self.template_by_tools(body.get("tools").is_some_and(|t| !t.is_null()))
+    }
+
+    /// The `tool_use` template when the template is handed tools and the model has one, else the
+    /// default, as `transformers` picks.
+    fn template_by_tools(&self, has_tools: bool) -> Result<std::borrow::Cow<'_, ChatTemplate>, TokenizeError> {
         if has_tools {
             if let Some(t) = self.named.get("tool_use") {
                 return Ok(std::borrow::Cow::Borrowed(t));
@@ -298,9 +301,11 @@ impl HfTokenizer {
         asked || self.rendering == Rendering::Sglang
     }
 
-    /// A chat request rendered as SGLang renders it, and the continued assistant text it appends.
+    /// A chat request rendered as SGLang renders it (never with a request's own template: its chat
+    /// completions have none), and the continued assistant text it appends.
     fn render_sglang(&self, body: &Value) -> Result<(String, Option<String>), TokenizeError> {
-        let template = self.template_for(body)?;
+        // SGLang hands the template tools only when the request's tool choice allows them.
+        let template = self.template_by_tools(!crate::sglang::tools(body)?.is_null())?;
         let chat = crate::sglang::chat(body, template.sglang_content_format())?;
         let mut context = self.special.clone();
         context.insert("tools".into(), chat.tools);
@@ -535,6 +540,12 @@ mod tests {
         let t = HfTokenizer::load(&d.join("tokenizer.json"), HfOptions::default()).unwrap();
         assert_eq!(t.render_chat(&json!({"messages": []})).unwrap(), "hello");
         assert_eq!(t.render_chat(&json!({"messages": [], "tools": []})).unwrap(), "world");
+        // SGLang hands the template no tools for tool_choice none, so the default template renders.
+        let sglang = HfOptions { rendering: Rendering::Sglang, ..HfOptions::default() };
+        let t = HfTokenizer::load(&d.join("tokenizer.json"), sglang).unwrap();
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        assert_eq!(t.render_chat(&json!({"messages": [], "tools": tools})).unwrap(), "world");
+        assert_eq!(t.render_chat(&json!({"messages": [], "tools": tools, "tool_choice": "none"})).unwrap(), "hello");
         std::fs::remove_dir_all(d).ok();
     }
 

@@ -106,7 +106,7 @@ fn tool(t: &Value, i: usize) -> Result<Value, TokenizeError> {
 
 /// The tools the template sees: none for `tool_choice: "none"`, only the named one for a named
 /// choice, else all of them.
-fn tools(body: &Value) -> Result<Value, TokenizeError> {
+pub fn tools(body: &Value) -> Result<Value, TokenizeError> {
     let Some(list) = body.get("tools").and_then(Value::as_array).filter(|l| !l.is_empty()) else {
         return Ok(Value::Null);
     };

@@ -19,7 +19,6 @@
 //! - `add_generation_prompt` is always on and a request's own `chat_template` is ignored (SGLang's
 //!   chat completions read neither), and the rendered prompt is tokenized without special tokens.
 
-use regex::Regex;
 use serde_json::{json, Map, Value};
 
 use crate::template::ContentFormat;
@@ -41,26 +40,6 @@ pub struct SglangChat {
     pub tools: Value,
     /// The final assistant message's text when the request continues it.
     pub assistant_prefix: Option<String>,
-}
-
-/// SGLang's content-format detection (`detect_jinja_template_content_format`): "openai" for a
-/// template that names a modality or loops over `message`'s, `msg`'s or `m`'s content, else "string".
-pub fn detect_content_format(source: &str) -> ContentFormat {
-    static LOOP: std::sync::OnceLock<Regex> = std::sync::OnceLock::new();
-    if ["image", "audio", "video", "vision"].iter().any(|k| source.contains(k)) {
-        return ContentFormat::OpenAi;
-    }
-    let content_loop = LOOP.get_or_init(|| {
-        Regex::new(
-            r#"\{%-?\s*for\s+[A-Za-z_][A-Za-z0-9_]*(?:\s*,\s*[A-Za-z_][A-Za-z0-9_]*)?\s+in\s+\(?\s*(?:message|msg|m)\s*(?:\.content|\[\s*['"]content['"]\s*\])"#,
-        )
-        .expect("valid regex")
-    });
-    if content_loop.is_match(source) {
-        ContentFormat::OpenAi
-    } else {
-        ContentFormat::String
-    }
 }
 
 fn invalid(message: String) -> TokenizeError {
@@ -326,22 +305,5 @@ mod tests {
         let cont = chat(&json!({"messages": messages, "continue_final_message": true}), ContentFormat::OpenAi).unwrap();
         assert_eq!(cont.messages.len(), 1);
         assert_eq!(cont.assistant_prefix.as_deref(), Some("partial"));
-    }
-
-    #[test]
-    fn the_content_format_is_detected_as_sglang_detects_it() {
-        for src in [
-            "{% for message in messages %}{% for c in message['content'] %}{% endfor %}{% endfor %}",
-            "{% for m in messages %}{%- for part in m.content -%}{% endfor %}{% endfor %}",
-            "{{ 'an image' }}",
-        ] {
-            assert_eq!(detect_content_format(src), ContentFormat::OpenAi, "{src}");
-        }
-        for src in [
-            "{% for message in messages %}{{ message['content'] }}{% endfor %}",
-            "{% for x in turn.content %}{% endfor %}",
-        ] {
-            assert_eq!(detect_content_format(src), ContentFormat::String, "{src}");
-        }
     }
 }

@@ -106,10 +106,10 @@ impl ChatTemplate {
     }
 
     /// The content format SGLang uses: the configured one, else SGLang's own detection, which
-    /// differs from vLLM's ([`crate::sglang::detect_content_format`]).
+    /// differs from vLLM's ([`detect_sglang_content_format`]).
     pub fn sglang_content_format(&self) -> ContentFormat {
         match self.configured_format {
-            ContentFormat::Auto => crate::sglang::detect_content_format(&self.source),
+            ContentFormat::Auto => detect_sglang_content_format(&self.source),
             given => given,
         }
     }
@@ -230,6 +230,26 @@ pub fn detect_content_format(source: &str) -> ContentFormat {
     ContentFormat::String
 }
 
+/// SGLang's content-format detection (`detect_jinja_template_content_format`): "openai" for a
+/// template that names a modality or loops over `message`'s, `msg`'s or `m`'s content, else "string".
+pub fn detect_sglang_content_format(source: &str) -> ContentFormat {
+    static LOOP: std::sync::OnceLock<Regex> = std::sync::OnceLock::new();
+    if ["image", "audio", "video", "vision"].iter().any(|k| source.contains(k)) {
+        return ContentFormat::OpenAi;
+    }
+    let content_loop = LOOP.get_or_init(|| {
+        Regex::new(
+            r#"\{%-?\s*for\s+[A-Za-z_][A-Za-z0-9_]*(?:\s*,\s*[A-Za-z_][A-Za-z0-9_]*)?\s+in\s+\(?\s*(?:message|msg|m)\s*(?:\.content|\[\s*['"]content['"]\s*\])"#,
+        )
+        .expect("valid regex")
+    });
+    if content_loop.is_match(source) {
+        ContentFormat::OpenAi
+    } else {
+        ContentFormat::String
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,6 +316,23 @@ mod tests {
         ];
         for src in string {
             assert_eq!(detect_content_format(src), ContentFormat::String, "{src}");
+        }
+    }
+
+    #[test]
+    fn the_content_format_is_detected_as_sglang_detects_it() {
+        for src in [
+            "{% for message in messages %}{% for c in message['content'] %}{% endfor %}{% endfor %}",
+            "{% for m in messages %}{%- for part in m.content -%}{% endfor %}{% endfor %}",
+            "{{ 'an image' }}",
+        ] {
+            assert_eq!(detect_sglang_content_format(src), ContentFormat::OpenAi, "{src}");
+        }
+        for src in [
+            "{% for message in messages %}{{ message['content'] }}{% endfor %}",
+            "{% for x in turn.content %}{% endfor %}",
+        ] {
+            assert_eq!(detect_sglang_content_format(src), ContentFormat::String, "{src}");
         }
     }
 }

@@ -134,9 +134,10 @@ PY
 }
 
 # Samples every engine's waiting queue every 200 ms into FILE (a JSON line a sample: seconds since
-# the start and the queues) until killed; run it in the background.
+# the start and the queues) until killed; run it in the background. `exec`, so that the pid `$!`
+# gives is python's own: killing a background subshell would leave its python child polling on.
 sample_queues() {
-  python3 - "$engines" "$base" "$waiting_metric" "$1" <<'PY'
+  exec python3 - "$engines" "$base" "$waiting_metric" "$1" <<'PY'
 import json, sys, time, urllib.request
 n, base, name, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 start = time.time()

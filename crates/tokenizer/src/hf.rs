@@ -305,10 +305,11 @@ impl HfTokenizer {
     /// completions have none), and the continued assistant text it appends.
     fn render_sglang(&self, body: &Value) -> Result<(String, Option<String>), TokenizeError> {
         // SGLang hands the template tools only when the request's tool choice allows them.
-        let template = self.template_by_tools(!crate::sglang::tools(body)?.is_null())?;
+        let tools = crate::sglang::tools(body)?;
+        let template = self.template_by_tools(!tools.is_null())?;
         let chat = crate::sglang::chat(body, template.sglang_content_format())?;
         let mut context = self.special.clone();
-        context.insert("tools".into(), chat.tools);
+        context.insert("tools".into(), tools);
         context.insert("documents".into(), Value::Null);
         context.extend(crate::sglang::template_kwargs(body));
         context.insert("messages".into(), Value::Array(chat.messages));
@@ -326,12 +327,12 @@ impl HfTokenizer {
         Ok(ids)
     }
 
-    /// SGLang's chat ids: the rendered prompt without special tokens, then any continued text.
-    fn encode_chat_sglang(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        let (text, prefix) = self.render_sglang(body)?;
-        let mut ids = self.encode(&text, false)?;
+    /// SGLang's chat ids for a rendered prompt: the prompt without special tokens, then any
+    /// continued text.
+    fn encode_sglang_rendered(&self, text: &str, prefix: Option<&str>) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = self.encode(text, false)?;
         if let Some(prefix) = prefix {
-            ids.extend(self.assistant_prefix_ids(&prefix)?);
+            ids.extend(self.assistant_prefix_ids(prefix)?);
         }
         Ok(ids)
     }
@@ -405,7 +406,7 @@ impl PromptTokenizer for HfTokenizer {
                 (text, None) => self.encode_routed(&text, false, probe),
                 // Continued text is tokenized apart and appended: rare enough to tokenize whole.
                 (_, Some(_)) if !probe.may_tokenize(usize::MAX) => Err(TokenizeError::Deferred),
-                (_, Some(_)) => self.encode_chat_sglang(body).map(PromptIds::whole),
+                (text, Some(prefix)) => self.encode_sglang_rendered(&text, Some(&prefix)).map(PromptIds::whole),
             };
         }
         self.encode_routed(&self.render_chat(body)?, chat_adds_special_tokens(body), probe)
@@ -470,7 +471,8 @@ impl PromptTokenizer for HfTokenizer {
 
     fn encode_chat(&self, body: &Value) -> Result<Vec<u32>, TokenizeError> {
         if self.rendering == Rendering::Sglang {
-            return self.encode_chat_sglang(body);
+            let (text, prefix) = self.render_sglang(body)?;
+            return self.encode_sglang_rendered(&text, prefix.as_deref());
         }
         self.encode(&self.render_chat(body)?, chat_adds_special_tokens(body))
     }

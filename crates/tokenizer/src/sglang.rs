@@ -30,14 +30,13 @@ const GENERIC_FIELDS: [&str; 8] =
 /// A tool function's fields; `strict` and `defer_loading` are dropped when unset.
 const FUNCTION_FIELDS: [&str; 5] = ["description", "name", "parameters", "strict", "defer_loading"];
 
-/// What SGLang renders for a chat request: the messages and tools the template sees, and the final
-/// assistant text it appends as token ids after the rendered prompt.
+/// What SGLang renders for a chat request: the messages the template sees, and the final assistant
+/// text it appends as token ids after the rendered prompt. (The tools come from [`tools`], which
+/// the caller needs first, to pick the template.)
 #[derive(Debug, Clone, PartialEq)]
 pub struct SglangChat {
     /// The messages, as the template sees them.
     pub messages: Vec<Value>,
-    /// The tools, or `null`.
-    pub tools: Value,
     /// The final assistant message's text when the request continues it.
     pub assistant_prefix: Option<String>,
 }
@@ -182,7 +181,7 @@ fn message(m: &Value, i: usize, format: ContentFormat) -> Result<Value, Tokenize
     Ok(Value::Object(out))
 }
 
-/// The messages, tools and continued assistant text SGLang renders for a chat `body`, the template's
+/// The messages and continued assistant text SGLang renders for a chat `body`, the template's
 /// content format being `format`.
 pub fn chat(body: &Value, format: ContentFormat) -> Result<SglangChat, TokenizeError> {
     let messages = body.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
@@ -202,7 +201,7 @@ pub fn chat(body: &Value, format: ContentFormat) -> Result<SglangChat, TokenizeE
             *last = json!({"role": "user", "content": text});
         }
     }
-    Ok(SglangChat { messages: out, tools: tools(body)?, assistant_prefix })
+    Ok(SglangChat { messages: out, assistant_prefix })
 }
 
 /// The template's keyword arguments besides messages and tools: the generation prompt always,
@@ -244,7 +243,7 @@ mod tests {
                 json!({"role": "user", "content": "go"}),
             ]
         );
-        assert_eq!(c.tools, Value::Null);
+        assert_eq!(tools(&body).unwrap(), Value::Null);
         assert_eq!(c.assistant_prefix, None);
     }
 
@@ -265,19 +264,18 @@ mod tests {
     #[test]
     fn tools_are_dumped_as_sglangs_models_and_dropped_for_tool_choice_none() {
         let body = json!({"messages": [], "tools": [weather()]});
-        let tools = chat(&body, ContentFormat::OpenAi).unwrap().tools;
-        let dumped = serde_json::to_string(&tools).unwrap();
+        let dumped = serde_json::to_string(&tools(&body).unwrap()).unwrap();
         assert_eq!(
             dumped,
             r#"[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"},"description":"d"},"defer_loading":null}]"#
         );
         let none = json!({"messages": [], "tools": [weather()], "tool_choice": "none"});
-        assert_eq!(chat(&none, ContentFormat::OpenAi).unwrap().tools, Value::Null);
+        assert_eq!(tools(&none).unwrap(), Value::Null);
         let other = json!({"messages": [], "tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "x"}}});
-        assert_eq!(chat(&other, ContentFormat::OpenAi).unwrap().tools, Value::Null);
+        assert_eq!(tools(&other).unwrap(), Value::Null);
         let bare = json!({"messages": [], "tools": [{"function": {"name": "f"}}]});
         assert_eq!(
-            serde_json::to_string(&chat(&bare, ContentFormat::OpenAi).unwrap().tools).unwrap(),
+            serde_json::to_string(&tools(&bare).unwrap()).unwrap(),
             r#"[{"type":"function","function":{"name":"f","description":null,"parameters":null},"defer_loading":null}]"#
         );
     }

@@ -142,7 +142,8 @@ pub fn parse_prometheus(text: &str) -> Result<EngineLoad, TelemetryError> {
             let blocks = s.label("num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
             out.block_size = out.block_size.or(block_size);
             if let (Some(bs), Some(n)) = (block_size, blocks) {
-                out.kv_capacity_tokens = Some(out.kv_capacity_tokens.unwrap_or(0).saturating_add(n * u64::from(bs)));
+                out.kv_capacity_tokens =
+                    Some(out.kv_capacity_tokens.unwrap_or(0).saturating_add(n.saturating_mul(u64::from(bs))));
             }
             continue;
         }
@@ -248,6 +249,13 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
         assert_eq!(parse_prometheus(braces).unwrap().running_requests, 3);
         let huge = "vllm:num_requests_running{engine=\"0\"} 1e30\nvllm:num_requests_running{engine=\"1\"} 1e30\n";
         assert_eq!(parse_prometheus(huge).unwrap().running_requests, u64::MAX);
+        // A block count whose size in tokens passes u64 saturates (found by the prometheus fuzz target).
+        let blocks = format!(
+            "{}\nvllm:cache_config_info{{block_size=\"4096\",num_gpu_blocks=\"{}\"}} 1\n",
+            "vllm:num_requests_running 1",
+            u64::MAX / 2
+        );
+        assert_eq!(parse_prometheus(&blocks).unwrap().kv_capacity_tokens, Some(u64::MAX));
     }
 
     #[test]

@@ -632,6 +632,9 @@ fn to_vllm(g: Generation) -> vllm::GenerateRequest {
 
 fn to_sglang(g: Generation) -> sglang::GenerateRequest {
     let s = g.sampling;
+    // Stop strings are matched in the gateway (below), which can end a sequence early only if
+    // its tokens come as they are generated: a whole answer would run on to its length first.
+    let stream = g.stream || !s.stop.is_empty();
     sglang::GenerateRequest {
         request_id: g.request_id,
         tokenized: Some(sglang::TokenizedInput { original_text: String::new(), input_ids: g.input_ids }),
@@ -668,7 +671,7 @@ fn to_sglang(g: Generation) -> sglang::GenerateRequest {
             }),
             ..Default::default()
         }),
-        stream: g.stream,
+        stream,
         ..Default::default()
     }
 }

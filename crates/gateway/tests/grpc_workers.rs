@@ -408,6 +408,23 @@ async fn a_stream_sends_the_same_text_in_pieces_then_usage_and_done() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_role_comes_with_the_first_token_not_before_it() {
+    // The fake worker sleeps before each message: its first token comes after this long.
+    let first_token = Duration::from_millis(300);
+    let f = fixture(first_token).await;
+    #[allow(clippy::disallowed_methods)] // a lower bound the worker's own sleep guarantees
+    let sent = std::time::Instant::now();
+    let resp = f.gw.post("/v1/chat/completions", &chat(true, json!({}))).await;
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(sent.elapsed() >= first_token, "a client's first byte is the first token's, as vLLM sends it");
+    assert!(String::from_utf8_lossy(&first).contains(r#""role":"assistant""#), "{first:?}");
+    // A worker that fails before any token: an error, and no role.
+    let failed = f.gw.post("/v1/chat/completions", &chat(true, json!({"max_tokens": 2}))).await.text().await.unwrap();
+    assert!(!failed.contains("role") && failed.contains("error"), "{failed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_ends_the_text_in_the_gateway_and_aborts_the_worker() {
     let f = fixture(Duration::from_millis(5)).await;
     for stream in [false, true] {
@@ -426,13 +443,14 @@ async fn a_stop_string_ends_the_text_in_the_gateway_and_aborts_the_worker() {
         assert_eq!(finish["finish_reason"], "stop");
         assert_eq!(finish["stop_reason"], "STOP");
         let sent = f.seen.lock().generated.last().unwrap().clone();
+        assert!(sent.stream, "a whole answer with stop strings is streamed from the worker, to be cut early");
         assert!(
             sent.sampling_params.unwrap().stop.is_empty(),
             "SGLang's servicer gets no stop strings: it cannot match them"
         );
     }
-    // The stream stopped mid-way; the whole answer came complete, with nothing left to stop.
-    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 1).await;
+    // Both stopped mid-way, the worker told to stop the rest each time.
+    let ok = f.gw.eventually(Duration::from_secs(5), |_| f.seen.lock().aborted.len() == 2).await;
     assert!(ok, "the worker was told to stop after the gateway's stop-string match: {:?}", f.seen.lock().aborted);
 }
 

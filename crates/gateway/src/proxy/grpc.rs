@@ -430,23 +430,23 @@ impl Streamer {
             return None;
         }
         let mut out = String::new();
-        if !self.started {
-            self.started = true;
-            self.usage.prompt_tokens = self.answer.prompt_tokens;
-            // The assistant's role at once, for every choice, as vLLM sends it, before any token.
-            if self.answer.plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat {
-                for index in 0..self.answer.choices.len() as u32 {
-                    out.push_str(&sse(&self.answer.head.role_chunk(index)));
-                }
-                return Some(out);
-            }
-        }
         let flush = self.answer.flush_incomplete;
         loop {
             let piece = match tokio::time::timeout(idle, self.answer.pieces.next()).await {
                 Ok(piece) => piece,
                 Err(_) => return Some(self.fail(out, ApiError::UpstreamTimeout, true)),
             };
+            if !self.started && matches!(piece, Some(Ok(_))) {
+                self.started = true;
+                self.usage.prompt_tokens = self.answer.prompt_tokens;
+                // The assistant's role for every choice with the first output, as vLLM and SGLang
+                // send it: after the prefill, so the first byte a client sees is the first token's.
+                if self.answer.plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat {
+                    for index in 0..self.answer.choices.len() as u32 {
+                        out.push_str(&sse(&self.answer.head.role_chunk(index)));
+                    }
+                }
+            }
             let index = match piece {
                 Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, .. })) => {
                     self.usage.cached_tokens = u64::from(cached_tokens);
@@ -513,6 +513,9 @@ impl Streamer {
                     let delta = choice.text.take_delta(false);
                     if !delta.is_empty() {
                         out.push_str(&sse(&head.text_chunk(index, &delta, None)));
+                    }
+                    // Text, or the roles alone when the first token is not text yet.
+                    if !out.is_empty() {
                         return Some(out);
                     }
                 }

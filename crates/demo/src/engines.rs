@@ -73,6 +73,7 @@ impl RunEngines {
                 speedup: cfg.speedup,
                 seed: i as u64 + 1,
                 profile: profile.clone(),
+                grpc: cfg.grpc,
                 ..MockConfig::default()
             };
             engines.push(MockEngine::start(mock).await?);
@@ -110,11 +111,15 @@ impl RunEngines {
                 // The router plans in model seconds; the engines run `speedup` times faster than that.
                 let decode = profile.decode_tokens_per_s(profile.max_running as u64, 4096);
                 for (i, e) in engines.iter().enumerate() {
+                    // A gRPC worker's KV events come on its own stream.
+                    let events = if cfg.grpc {
+                        String::new()
+                    } else {
+                        format!("kv_events = \"{}\"\nreplay = \"{}\"\n", e.kv_events, e.replay)
+                    };
                     toml.push_str(&format!(
-                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\nprefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\nmax_running_requests = {}\nchunk_tokens = {}\n",
+                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\n{events}prefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\nmax_running_requests = {}\nchunk_tokens = {}\n",
                         e.url,
-                        e.kv_events,
-                        e.replay,
                         profile.prefill_tokens_per_s * cfg.speedup,
                         decode * cfg.speedup,
                         profile.kv_capacity_tokens,

@@ -52,6 +52,10 @@ pub struct DemoConfig {
     pub prefix_scale: f64,
     /// Shortest and longest question, in words.
     pub question_words: (usize, usize),
+    /// Mock engines serve SMG's gRPC worker protocol (`grpc://` workers) instead of HTTP: the
+    /// gateway tokenizes with the mock model's tokenizer, taken from a worker, and detokenizes the
+    /// answers itself.
+    pub grpc: bool,
 }
 
 impl DemoConfig {
@@ -91,6 +95,7 @@ impl Default for DemoConfig {
             max_output: 300,
             prefix_scale: 1.0,
             question_words: (20, 120),
+            grpc: false,
         }
     }
 }
@@ -225,6 +230,11 @@ pub async fn run_one_on(
     );
     let mut gcfg = GatewayConfig::from_toml(&toml).map_err(|e| e.to_string())?;
     gcfg.port = 0;
+    // gRPC workers hand over their tokenizer, as `kvgate serve` takes it when none is configured.
+    let cache = std::env::temp_dir().join(format!("kvgate-demo-{}", std::process::id()));
+    kvgate_gateway::worker_tokenizer::resolve(&mut gcfg, &cache, Duration::from_secs(30))
+        .await
+        .map_err(|e| e.to_string())?;
     let state = AppState::new(gcfg).map_err(|e| e.to_string())?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
     let url = format!("http://{}/v1/chat/completions", listener.local_addr().map_err(|e| e.to_string())?);

@@ -59,3 +59,28 @@ async fn a_baseline_the_gateway_runs_can_be_demonstrated_too() {
     let (min, max) = (per_worker.iter().min().unwrap(), per_worker.iter().max().unwrap());
     assert!(max - min <= 1, "each engine in turn: {per_worker:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_over_grpc_workers_too() {
+    let cfg = DemoConfig {
+        workers: 3,
+        duration_s: 3.0,
+        rate: 12.0,
+        min_output: 8,
+        max_output: 24,
+        grpc: true,
+        prefix_scale: 0.5,
+        ..DemoConfig::default()
+    };
+    let enforce = run_one(&cfg, "projected:enforce", Arc::new(AtomicU64::new(0))).await.unwrap();
+    assert!(enforce.requests.total > 10, "{:?}", enforce.requests);
+    assert_eq!(enforce.requests.completed, enforce.requests.total, "{:?}", enforce.requests);
+    assert!(enforce.throughput.output_tokens_per_s > 0.0);
+    // The KV events come over the workers' own streams, and earn the cache its credit.
+    assert!(enforce.cache.hit_rate > 0.5, "the shared system prompts are reused: {}", enforce.cache.hit_rate);
+    assert!(
+        enforce.decisions_by_reason.get("cache_and_load").copied().unwrap_or(0) > 0,
+        "{:?}",
+        enforce.decisions_by_reason
+    );
+}

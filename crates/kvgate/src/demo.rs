@@ -73,6 +73,12 @@ pub struct DemoArgs {
     /// Write per-engine queue depth over time and TTFT percentiles to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Mock engines serve SMG's gRPC worker protocol and the gateway takes them as `grpc://`
+    /// workers (tokenizer from a worker, KV events and load on its stream). Prompts are then
+    /// tokenized by the mock model's tokenizer, so their token counts differ from HTTP mode's: the
+    /// system prompts are halved to keep them about the same.
+    #[arg(long)]
+    grpc: bool,
 }
 
 /// Sets up and starts the real fleet for `kvgate demo --engines vllm|sglang`.
@@ -138,8 +144,16 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
             cores()
         );
     }
+    if a.grpc && is_real {
+        bail!(
+            "--grpc runs the demo on mock gRPC workers; real vLLM and SGLang gRPC workers run in the real-engine \
+             suite (scripts/real-engines/test.sh grpc)"
+        );
+    }
     let cfg = DemoConfig {
         workers,
+        grpc: a.grpc,
+        prefix_scale: if a.grpc { base.prefix_scale * 0.5 } else { base.prefix_scale },
         duration_s: duration,
         rate,
         speedup: a.speedup,
@@ -198,8 +212,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         )
     } else {
         format!(
-            "kvgate demo: {} mock engines over loopback HTTP, {per_run} requests per run, speed-up {}",
-            cfg.workers, cfg.speedup
+            "kvgate demo: {} mock engines over loopback {}, {per_run} requests per run, speed-up {}",
+            cfg.workers,
+            if cfg.grpc { "gRPC (SMG's worker protocol)" } else { "HTTP" },
+            cfg.speedup
         )
     };
     crate::sim::write_reports(&reports, a.plot.as_deref(), a.format, false, &header)?;
@@ -212,12 +228,20 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
 /// Flags of `kvgate mock-engine`.
 #[derive(Debug, Args)]
 pub struct MockEngineArgs {
-    /// Address to listen on (HTTP and ZMQ).
+    /// Address to listen on (HTTP, gRPC and ZMQ).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// HTTP port (0: any).
+    /// HTTP port, or the gRPC port with --grpc (0: any).
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// Serve SMG's gRPC worker protocol (SGLang's scheduler service: token ids in and out, KV
+    /// events and load on its SubscribeKvEvents stream, the mock model's tokenizer on
+    /// GetTokenizer) instead of the OpenAI HTTP API; a gateway takes it as `grpc://HOST:PORT`.
+    #[arg(long)]
+    grpc: bool,
+    /// With --grpc: the port of the HTTP surface that stays (admin, /metrics, /v1/loads; 0: any).
+    #[arg(long, default_value_t = 0)]
+    http_port: u16,
     /// KV-event PUB port (0: any).
     #[arg(long, default_value_t = 5557)]
     kv_port: u16,
@@ -273,14 +297,23 @@ pub fn mock_engine(a: MockEngineArgs) -> anyhow::Result<()> {
             fail_requests: a.fail_requests,
         },
         seed: a.seed,
+        grpc: a.grpc,
+        http_port: a.http_port,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let engine = MockEngine::start(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
-        println!(
-            "mock engine: http {}  kv_events {}  replay {}  block_size {}",
-            engine.url, engine.kv_events, engine.replay, engine.block_size
-        );
+        if a.grpc {
+            println!(
+                "mock engine: grpc {}  http {}  kv_events {}  replay {}  block_size {}",
+                engine.url, engine.http_url, engine.kv_events, engine.replay, engine.block_size
+            );
+        } else {
+            println!(
+                "mock engine: http {}  kv_events {}  replay {}  block_size {}",
+                engine.url, engine.kv_events, engine.replay, engine.block_size
+            );
+        }
         tokio::signal::ctrl_c().await?;
         engine.kill();
         Ok(())

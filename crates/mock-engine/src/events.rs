@@ -5,6 +5,7 @@
 //! Faults drop or delay live batches; replays still have them.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -40,7 +41,20 @@ pub struct EventSockets {
     pub replay_endpoint: String,
     /// The live publisher (shared with the task that publishes).
     pub publisher: Arc<PubSocket>,
+    /// The same live batches for the gRPC worker's `SubscribeKvEvents` streams, after the same
+    /// faults; each with the engine clock's Unix seconds.
+    pub live: tokio::sync::broadcast::Sender<Arc<(EventBatch, f64)>>,
+    /// The sequence number of the last batch sent on `live` ([`NOTHING_PUBLISHED`] before the
+    /// first), stored after it was sent: a new subscriber's heartbeat may then repeat it.
+    pub published_seq: Arc<AtomicU64>,
 }
+
+/// [`EventSockets::published_seq`] before any batch.
+pub const NOTHING_PUBLISHED: u64 = u64::MAX;
+
+/// Batches a slow gRPC subscriber may fall behind by before its stream is ended (it then
+/// subscribes again and rebuilds, as after a real relay's unfillable gap).
+const LIVE_BACKLOG: usize = 4096;
 
 fn message(frames: impl IntoIterator<Item = Vec<u8>>) -> Vec<Bytes> {
     frames.into_iter().map(Bytes::from).collect()
@@ -89,10 +103,15 @@ pub async fn start(
         }
     });
     let live = publisher.clone();
+    let (grpc_live, _) = tokio::sync::broadcast::channel(LIVE_BACKLOG);
+    let grpc = grpc_live.clone();
+    let published_seq = Arc::new(AtomicU64::new(NOTHING_PUBLISHED));
+    let published = published_seq.clone();
     tokio::spawn(async move {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b76);
         while let Some(batch) = batches.recv().await {
-            let payload = encode(format, &batch, clock.now().as_micros() as f64 / 1e6);
+            let ts = clock.now().as_micros() as f64 / 1e6;
+            let payload = encode(format, &batch, ts);
             {
                 let mut h = history.lock();
                 if batch.seq == 0 {
@@ -114,7 +133,11 @@ pub async fn start(
                 tokio::time::sleep(delay).await;
             }
             live.send(message(live_frames(format.topic(), batch.seq, payload)));
+            // No gRPC subscriber is no error.
+            let seq = batch.seq;
+            let _ = grpc.send(Arc::new((batch, ts)));
+            published.store(seq, Ordering::Release);
         }
     });
-    Ok(EventSockets { pub_endpoint, replay_endpoint, publisher })
+    Ok(EventSockets { pub_endpoint, replay_endpoint, publisher, live: grpc_live, published_seq })
 }

@@ -7,15 +7,21 @@
 //!   not), SGLang `/generate`, `/v1/models`, `/health`, SGLang-style `/v1/loads`, vLLM-style
 //!   `/metrics`, and `/admin/fault` + `/admin/restart` for fault injection.
 //! - [`events`]: the ZMQ PUB and replay ROUTER, in vLLM's or SGLang's wire format.
+//! - [`grpc`]: with [`MockConfig::grpc`], SGLang's scheduler service of SMG's gRPC worker protocol
+//!   (token ids in and out, KV events and load on `SubscribeKvEvents`), the HTTP surface moving to
+//!   a port of its own; [`vocab`]: the mock model's tokenizer it hands over (`GetTokenizer`).
 //!
-//! Prompts are tokenized with kvgate's built-in tokenizer, so a gateway configured with the built-in
-//! tokenizer computes the very token ids this engine caches and publishes.
+//! Over HTTP, prompts are tokenized with kvgate's built-in tokenizer, so a gateway configured with
+//! the built-in tokenizer computes the very token ids this engine caches and publishes. Over gRPC
+//! the gateway sends the ids itself, tokenized with the mock model's tokenizer.
 
 #![forbid(unsafe_code)]
 
 pub mod events;
+pub mod grpc;
 pub mod server;
 pub mod stepper;
+pub mod vocab;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -90,6 +96,12 @@ pub struct MockConfig {
     pub faults: Faults,
     /// Seed of the engine's block hashes.
     pub seed: u64,
+    /// Serve SMG's gRPC worker protocol on `port` (as SGLang's scheduler, whose KV event
+    /// conventions the engine then follows) instead of HTTP; the HTTP surface (admin, `/metrics`,
+    /// `/v1/loads`) then listens on `http_port`.
+    pub grpc: bool,
+    /// The HTTP port in gRPC mode (0: any); unused otherwise.
+    pub http_port: u16,
 }
 
 impl Default for MockConfig {
@@ -105,6 +117,8 @@ impl Default for MockConfig {
             model: "mock-model".into(),
             faults: Faults::default(),
             seed: 1,
+            grpc: false,
+            http_port: 0,
         }
     }
 }
@@ -112,8 +126,10 @@ impl Default for MockConfig {
 /// A running mock engine.
 #[derive(Debug, Clone)]
 pub struct MockEngine {
-    /// HTTP base URL.
+    /// The worker URL a gateway is given: the HTTP base URL, or `grpc://host:port` in gRPC mode.
     pub url: String,
+    /// The HTTP base URL (admin, metrics, loads), the same as `url` unless in gRPC mode.
+    pub http_url: String,
     /// KV-event PUB endpoint.
     pub kv_events: String,
     /// Replay endpoint.
@@ -149,15 +165,17 @@ impl MockEngine {
         // The model follows the conventions of the engine whose events it speaks: vLLM publishes
         // decode-filled blocks, SGLang opens every process with `AllBlocksCleared`.
         let flavor = match cfg.format {
-            EventFormat::Vllm => Flavor::Vllm,
             EventFormat::Sglang => Flavor::Sglang,
+            EventFormat::Vllm if cfg.grpc => Flavor::Sglang,
+            EventFormat::Vllm => Flavor::Vllm,
         };
         let engine = Engine::new(EngineProfile { flavor, ..cfg.profile.clone() }, cfg.seed);
         let block_size = cfg.profile.block_size;
         let stepper = tokio::spawn(stepper::run(engine, cfg.speedup, cmd_rx, batch_tx, shared.clone(), clock));
-        let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
+        let http_port = if cfg.grpc { cfg.http_port } else { cfg.port };
+        let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), http_port))
             .await
-            .map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
+            .map_err(|e| format!("cannot listen on {}:{http_port}: {e}", cfg.host))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let port_of = |e: &str| e.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
         // SGLang announces where it publishes (engine-protocols.md §1); vLLM has no such route.
@@ -167,7 +185,7 @@ impl MockEngine {
                 "topic": cfg.format.topic(), "block_size": cfg.profile.block_size, "dp_size": 1,
                 "replay_endpoint_port_base": port_of(&sockets.replay_endpoint)}})
         });
-        let app = server::routes(server::ServerState {
+        let http_state = server::ServerState {
             server_info,
             commands: cmd_tx.clone(),
             shared: shared.clone(),
@@ -177,7 +195,38 @@ impl MockEngine {
             rng: Arc::new(Mutex::new(<rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(cfg.seed))),
             capacity_tokens: cfg.profile.kv_capacity_tokens,
             block_size,
-        });
+        };
+        let app = server::routes(http_state.clone());
+        let mut tasks = vec![stepper.abort_handle()];
+        let mut url = format!("http://{addr}");
+        let http_url = url.clone();
+        if cfg.grpc {
+            let scheduler = grpc::MockScheduler {
+                engine: http_state,
+                max_running: cfg.profile.max_running,
+                live: sockets.live.clone(),
+                published_seq: sockets.published_seq.clone(),
+                running: Arc::default(),
+            };
+            let grpc_listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
+                .await
+                .map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
+            url = format!("grpc://{}", grpc_listener.local_addr().map_err(|e| e.to_string())?);
+            let (health, health_service) = tonic_health::server::health_reporter();
+            health.set_serving::<kvgate_worker_proto::sglang::sglang_scheduler_server::SglangSchedulerServer<grpc::MockScheduler>>().await;
+            let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+            let server = tokio::spawn(async move {
+                let served = tonic::transport::Server::builder()
+                    .add_service(scheduler.into_service())
+                    .add_service(health_service)
+                    .serve_with_incoming(incoming)
+                    .await;
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "mock engine gRPC server failed");
+                }
+            });
+            tasks.push(server.abort_handle());
+        }
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
@@ -186,8 +235,10 @@ impl MockEngine {
                 tracing::error!(error = %e, "mock engine server failed");
             }
         });
+        tasks.push(server.abort_handle());
         Ok(MockEngine {
-            url: format!("http://{addr}"),
+            url,
+            http_url,
             kv_events: sockets.pub_endpoint,
             replay: sockets.replay_endpoint,
             publisher: sockets.publisher,
@@ -195,7 +246,7 @@ impl MockEngine {
             commands: cmd_tx,
             faults,
             block_size,
-            tasks: Arc::new(Mutex::new(vec![stepper.abort_handle(), server.abort_handle()])),
+            tasks: Arc::new(Mutex::new(tasks)),
         })
     }
 

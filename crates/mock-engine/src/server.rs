@@ -115,10 +115,10 @@ fn usage(prompt: u64, cached: u64, output: u64) -> Value {
 
 /// Cancels its request in the engine when dropped before the request finished: the client went away
 /// (the handler or the response stream was dropped with it).
-struct CancelOnDrop {
-    id: RequestId,
-    commands: mpsc::UnboundedSender<Command>,
-    finished: bool,
+pub(crate) struct CancelOnDrop {
+    pub(crate) id: RequestId,
+    pub(crate) commands: mpsc::UnboundedSender<Command>,
+    pub(crate) finished: bool,
 }
 
 impl Drop for CancelOnDrop {

@@ -102,6 +102,10 @@ pub async fn run(
 ) {
     let mut listeners: HashMap<RequestId, mpsc::UnboundedSender<TokenEvent>> = HashMap::new();
     let mut stalled_until: Option<std::time::Instant> = None;
+    // SGLang publishes its start-up clear as the process starts, before anyone subscribes.
+    if let Some(b) = engine.flush_idle() {
+        let _ = batches.send(b);
+    }
     loop {
         // Take every pending command; block for one only when there is nothing to run.
         loop {

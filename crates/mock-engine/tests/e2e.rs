@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
-use kvgate_gateway::{AppState, GatewayConfig};
+mod support;
+
 use kvgate_mock_engine::{MockConfig, MockEngine};
 use serde_json::{json, Value};
+use support::*;
 
 async fn engines(n: usize, speedup: f64) -> Vec<MockEngine> {
     let mut out = Vec::new();
@@ -12,12 +14,6 @@ async fn engines(n: usize, speedup: f64) -> Vec<MockEngine> {
         out.push(MockEngine::start(MockConfig { speedup, seed: i as u64 + 1, ..MockConfig::default() }).await.unwrap());
     }
     out
-}
-
-struct Gw {
-    url: String,
-    state: std::sync::Arc<AppState>,
-    client: reqwest::Client,
 }
 
 async fn gateway(engines: &[MockEngine], extra: &str) -> Gw {
@@ -38,25 +34,9 @@ async fn gateway_with(engines: &[MockEngine], extra: &str, replay: bool) -> Gw {
     start_gateway(&toml).await
 }
 
-/// The real gateway on port 0 with `toml`.
-async fn start_gateway(toml: &str) -> Gw {
-    let mut cfg = GatewayConfig::from_toml(toml).unwrap();
-    cfg.port = 0;
-    let state = AppState::new(cfg).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let s = state.clone();
-    tokio::spawn(async move { kvgate_gateway::serve(listener, s, std::future::pending()).await.unwrap() });
-    Gw { url, state, client: reqwest::Client::new() }
-}
-
 fn chat(system: &str, user: &str, stream: bool) -> Value {
     json!({"model": "mock-model", "stream": stream, "max_tokens": 8, "stream_options": {"include_usage": true},
            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
-}
-
-fn long_prompt(tag: &str) -> String {
-    (0..1500).map(|i| format!("{tag}{i} ")).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,26 +85,6 @@ async fn a_repeated_prefix_is_routed_to_its_cache_and_the_engine_reuses_it() {
     assert_eq!(log["decisions"][0]["decision"]["worker"], owner.unwrap().as_str());
 }
 
-async fn post(gw: &Gw, body: &Value) -> reqwest::Response {
-    gw.client.post(format!("{}/v1/chat/completions", gw.url)).json(body).send().await.unwrap()
-}
-
-async fn decisions(gw: &Gw, n: usize) -> Vec<Value> {
-    let v: Value =
-        gw.client.get(format!("{}/admin/decisions?limit={n}", gw.url)).send().await.unwrap().json().await.unwrap();
-    v["decisions"].as_array().unwrap().clone()
-}
-
-async fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// Waits until `gw` is ready to be measured: every engine counts the subscriptions of `gateways`
 /// gateways (a PUB drops what it sends before a subscription arrives), and `gw` has a load report
 /// from each engine.
@@ -134,20 +94,6 @@ async fn ready(gw: &Gw, engines: &[MockEngine], gateways: usize) {
         gw.state.router.workers(gw.state.clock.now()).iter().all(|w| w.load_age_ms.is_some())
     })
     .await;
-}
-
-/// The cached tokens `POST /admin/decide` credits `worker` with for `body`.
-async fn credit_on(gw: &Gw, body: Value, worker: String) -> u64 {
-    let d: Value =
-        gw.client.post(format!("{}/admin/decide", gw.url)).json(&body).send().await.unwrap().json().await.unwrap();
-    let scores = d["decision"]["scores"].as_array().unwrap();
-    let score =
-        scores.iter().find(|s| s["worker"] == worker.as_str()).unwrap_or_else(|| panic!("{worker} unscored: {d}"));
-    score["cached_tokens"].as_u64().unwrap()
-}
-
-fn holder(gw: &Gw) -> Option<String> {
-    gw.state.router.workers(gw.state.clock.now()).into_iter().find(|w| w.blocks_held > 0).map(|w| w.id.to_string())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

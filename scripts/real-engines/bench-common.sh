@@ -168,6 +168,10 @@ for_each_run() {
       start_fleet
       start_router "$cfg" "$work/$cfg-$rep.router.log"
       "$fn" "$cfg" "$rep"
+      # kvgate's decision log of the run (scores per engine), for reading why it routed as it did.
+      case "$cfg" in
+        kvgate-*) curl -s -m 10 "http://127.0.0.1:$router_port/admin/decisions?limit=1000" > "$work/$cfg-$rep.decisions.json" || true ;;
+      esac
       stop_all
     done
   done

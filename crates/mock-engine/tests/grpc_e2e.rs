@@ -165,3 +165,38 @@ async fn an_engine_restart_ends_its_event_stream_and_the_gateway_rebuilds_from_z
     let _: Value = post(&gw, &chat(&system, "q2", json!({}))).await.json().await.unwrap();
     wait("new blocks over the new stream", || holder(&gw).is_some()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_grpc_workers_do_not_serve_goes_to_the_http_engines_of_a_mixed_fleet() {
+    let grpc = grpc_engines(1, 50.0).await;
+    let http = MockEngine::start(MockConfig { speedup: 50.0, ..MockConfig::default() }).await.unwrap();
+    // Round robin would send every other request to the gRPC worker.
+    let toml = format!(
+        "[policy]\nname = \"round_robin\"\n[telemetry]\npoll_interval_ms = 50\n\
+         [[workers]]\nid = \"g0\"\nurl = \"{}\"\n[[workers]]\nid = \"h0\"\nurl = \"{}\"\nengine = \"sglang\"\n",
+        grpc[0].url, http.url
+    );
+    let gw = start_gateway(&toml).await;
+    let generate = json!({"text": "hello there", "sampling_params": {"max_new_tokens": 2}});
+    for _ in 0..4 {
+        let r = gw.client.post(format!("{}/generate", gw.url)).json(&generate).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    let log = decisions(&gw, 4).await;
+    assert!(log.iter().all(|d| d["decision"]["worker"] == "h0"), "{log:?}");
+    // Chat still goes to both.
+    for i in 0..2 {
+        let r: Value = post(&gw, &chat("be brief", &format!("hi {i}"), json!({}))).await.json().await.unwrap();
+        assert_eq!(r["usage"]["completion_tokens"], 8, "{r}");
+    }
+    let log = decisions(&gw, 2).await;
+    assert_ne!(log[0]["decision"]["worker"], log[1]["decision"]["worker"], "{log:?}");
+
+    // With gRPC workers only, the endpoint is refused by name before any routing.
+    let only_grpc = gateway(&grpc).await;
+    let r = only_grpc.client.post(format!("{}/generate", only_grpc.url)).json(&generate).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("/generate is not served by gRPC workers"), "{body}");
+    assert!(decisions(&only_grpc, 10).await.is_empty(), "nothing was routed");
+}

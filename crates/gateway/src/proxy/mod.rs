@@ -131,14 +131,26 @@ async fn route(
     if let Some(rest) = &parsed.rest {
         check_estimate(state, rest);
     }
+    // An endpoint gRPC workers do not serve goes to the HTTP engines of a mixed fleet only.
+    let unserved: Vec<WorkerId> = match openai::grpc_unserved(endpoint) {
+        Some(err) => {
+            let engines = state.engines.read();
+            let grpc: Vec<WorkerId> = engines.values().filter(|e| e.grpc.is_some()).map(|e| e.id.clone()).collect();
+            if !grpc.is_empty() && grpc.len() == engines.len() {
+                return Err((err, false));
+            }
+            grpc
+        }
+        None => Vec::new(),
+    };
     let keys = routing_keys(state, endpoint, &parsed);
-    let deadline = state.clock.instant() + state.config.queue_timeout;
-    let mut queue = QueueSlot::new(state);
-    let attempts = state.engines.read().len().clamp(1, MAX_ATTEMPTS);
+    let mut queue = QueueSlot::new(state, state.clock.instant() + state.config.queue_timeout);
+    let attempts = state.engines.read().len().saturating_sub(unserved.len()).clamp(1, MAX_ATTEMPTS);
     let mut tried: Vec<WorkerId> = Vec::new();
     loop {
+        let skipped: Vec<WorkerId> = tried.iter().chain(&unserved).cloned().collect();
         let flight =
-            place(state, endpoint, &keys, &parsed, &tried, &mut queue, deadline).await.map_err(|e| (e, false))?;
+            place(state, endpoint, &keys, &parsed, &tried, &skipped, &mut queue).await.map_err(|e| (e, false))?;
         let last_attempt = tried.len() + 1 >= attempts;
         // A gRPC worker takes every id (one registered after the request was read may be chosen).
         if flight.engine.grpc.is_some() && parsed.rest.is_some() {

@@ -68,19 +68,21 @@ fn endpoint_name(e: Endpoint) -> &'static str {
 pub(super) struct QueueSlot<'a> {
     state: &'a AppState,
     held: bool,
+    /// When the request stops waiting for an engine.
+    deadline: Instant,
 }
 
 impl<'a> QueueSlot<'a> {
-    /// No place in the queue yet: one is taken only when the request must wait.
-    pub(super) fn new(state: &'a AppState) -> Self {
-        QueueSlot { state, held: false }
+    /// No place in the queue yet: one is taken only when the request must wait, until `deadline`.
+    pub(super) fn new(state: &'a AppState, deadline: Instant) -> Self {
+        QueueSlot { state, held: false, deadline }
     }
 }
 
 impl QueueSlot<'_> {
     /// Waits for capacity if bounded queueing allows; false when the request must be answered now.
-    async fn wait(&mut self, deadline: Instant) -> bool {
-        let now = self.state.clock.instant();
+    async fn wait(&mut self) -> bool {
+        let (now, deadline) = (self.state.clock.instant(), self.deadline);
         if self.state.config.queue_timeout.is_zero() || now >= deadline {
             return false;
         }
@@ -105,14 +107,16 @@ impl Drop for QueueSlot<'_> {
 }
 
 /// Decides, reserves and admits; queues while nothing can take the request and the queue allows.
+/// `skipped` are the engines not to choose: those `tried` already, and any that cannot serve the
+/// endpoint.
 pub(super) async fn place(
     state: &Arc<AppState>,
     endpoint: Endpoint,
     keys: &[BlockKey],
     parsed: &Parsed,
     tried: &[WorkerId],
+    skipped: &[WorkerId],
     queue: &mut QueueSlot<'_>,
-    deadline: Instant,
 ) -> Result<Flight, ApiError> {
     if tried.is_empty() {
         // Peers deciding in the same instants would all choose the same engine: let their
@@ -130,7 +134,7 @@ pub(super) async fn place(
             keys,
             prompt_tokens: parsed.prompt_tokens(),
             max_tokens: parsed.max_tokens,
-            exclude: tried,
+            exclude: skipped,
             keys_cover_prompt: parsed.rest.is_none(),
         };
         let started = state.clock.instant();
@@ -143,7 +147,7 @@ pub(super) async fn place(
             // Every engine left has already failed this request: say so, not "no engine".
             Err(DecideError::NoEligibleWorker) if !tried.is_empty() => return Err(ApiError::UpstreamUnavailable),
             Err(DecideError::NoEligibleWorker) => {
-                if queue.wait(deadline).await {
+                if queue.wait().await {
                     continue;
                 }
                 return Err(ApiError::NoEligibleWorker);
@@ -156,7 +160,7 @@ pub(super) async fn place(
         let limit = state.runtime.read().admission_wait_s;
         if limit > 0.0 && wait > limit {
             let _ = state.router.release(id, state.clock.now());
-            if queue.wait(deadline).await {
+            if queue.wait().await {
                 continue;
             }
             return Err(ApiError::Overloaded { wait_s: wait, limit_s: limit });

@@ -103,7 +103,10 @@ fn unpack(archive: &[u8], dir: &Path) -> Result<(), String> {
     }
     let parent = dir.parent().ok_or("the cache directory has no parent")?;
     std::fs::create_dir_all(parent).map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
-    let partial = parent.join(format!(".partial-{}", std::process::id()));
+    // Each unpacking its own: several gateways (or tests) sharing a cache may fetch at once.
+    static UNPACKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = UNPACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let partial = parent.join(format!(".partial-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
     let mut total = 0u64;
@@ -134,8 +137,16 @@ fn unpack(archive: &[u8], dir: &Path) -> Result<(), String> {
             .into());
     }
     std::fs::write(partial.join(".complete"), b"").map_err(|e| format!("cannot write the marker: {e}"))?;
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&partial, dir).map_err(|e| format!("cannot move the tokenizer into {}: {e}", dir.display()))
+    let moved = std::fs::rename(&partial, dir).or_else(|first| {
+        if dir.join(".complete").is_file() {
+            return Ok(()); // another unpacking of the same archive finished first
+        }
+        // A directory left half-written by a process that died before this scheme: replace it.
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::rename(&partial, dir).or_else(|_| if dir.join(".complete").is_file() { Ok(()) } else { Err(first) })
+    });
+    let _ = std::fs::remove_dir_all(&partial);
+    moved.map_err(|e| format!("cannot move the tokenizer into {}: {e}", dir.display()))
 }
 
 #[cfg(test)]
@@ -184,5 +195,24 @@ mod tests {
         let err = unpack(b"not a zip", &root.join("c")).unwrap_err();
         assert!(err.contains("not a zip archive"), "{err}");
         let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn gateways_unpacking_the_same_archive_at_once_all_get_it_whole() {
+        let dir = scratch("racing").join("tokenizers").join("same");
+        let bundle = archive(&[("tokenizer.json", b"{\"x\": 1}"), ("tokenizer_config.json", b"{}")]);
+        let racers: Vec<_> = (0..8)
+            .map(|_| {
+                let (dir, bundle) = (dir.clone(), bundle.clone());
+                std::thread::spawn(move || unpack(&bundle, &dir))
+            })
+            .collect();
+        for r in racers {
+            assert_eq!(r.join().unwrap(), Ok(()));
+        }
+        assert_eq!(std::fs::read(dir.join("tokenizer.json")).unwrap(), b"{\"x\": 1}");
+        assert!(dir.join(".complete").is_file());
+        let left: Vec<_> = std::fs::read_dir(dir.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("same")], "no partial directory left behind");
     }
 }

@@ -111,14 +111,15 @@ impl RunEngines {
                 // The router plans in model seconds; the engines run `speedup` times faster than that.
                 let decode = profile.decode_tokens_per_s(profile.max_running as u64, 4096);
                 for (i, e) in engines.iter().enumerate() {
-                    // A gRPC worker's KV events come on its own stream.
+                    // A gRPC worker's KV events come on its own stream, and its runtime from the
+                    // service it serves.
                     let events = if cfg.grpc {
                         String::new()
                     } else {
-                        format!("kv_events = \"{}\"\nreplay = \"{}\"\n", e.kv_events, e.replay)
+                        format!("engine = \"sglang\"\nkv_events = \"{}\"\nreplay = \"{}\"\n", e.kv_events, e.replay)
                     };
                     toml.push_str(&format!(
-                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\nengine = \"sglang\"\n{events}prefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\nmax_running_requests = {}\nchunk_tokens = {}\n",
+                        "[[workers]]\nid = \"w{i}\"\nurl = \"{}\"\n{events}prefill_tokens_per_s = {}\ndecode_tokens_per_s = {}\nkv_capacity_tokens = {}\nmax_running_requests = {}\nchunk_tokens = {}\n",
                         e.url,
                         profile.prefill_tokens_per_s * cfg.speedup,
                         decode * cfg.speedup,

@@ -234,7 +234,7 @@ pub struct MockEngineArgs {
     /// HTTP port, or the gRPC port with --grpc (0: any).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Serve SMG's gRPC worker protocol (SGLang's scheduler service: token ids in and out, KV
+    /// Serve SMG's gRPC worker protocol (as --event-format's runtime serves it: token ids in and out, KV
     /// events and load on its SubscribeKvEvents stream, the mock model's tokenizer on
     /// GetTokenizer) instead of the OpenAI HTTP API; a gateway takes it as `grpc://HOST:PORT`.
     #[arg(long)]

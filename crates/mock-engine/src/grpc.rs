@@ -1,6 +1,7 @@
-//! The mock engine as a gRPC worker (`kvgate mock-engine --grpc`): SGLang's scheduler service of
-//! SMG's worker protocol, as `sglang.launch_server --smg-grpc-mode` with its servicer serves it,
-//! over the same engine model as the HTTP surface. Prompts come in as token ids and answers go out
+//! The mock engine as a gRPC worker (`kvgate mock-engine --grpc`): SMG's worker protocol as vLLM's
+//! engine servicer or SGLang's scheduler serves it (`smg-grpc-servicer`), whichever runtime the
+//! mock's events speak, over the same engine model as the HTTP surface. One core serves both; the
+//! two services differ only in their generated message types. Prompts come in as token ids and answers go out
 //! as token ids of the mock model's tokenizer ([`crate::vocab`]), which `GetTokenizer` hands over.
 //!
 //! What a real servicer does and the mock does too: token ids streamed per step with the
@@ -10,7 +11,8 @@
 //! `SubscribeKvEvents` with the engine's load on every batch and in heartbeats while it is idle. A
 //! restarted engine ends every event stream, as a real restarted servicer's connection ends.
 //! What it does not: sampling (it always generates its filler words and never an EOS, so every
-//! sequence ends at its length), logprobs, embeddings.
+//! sequence ends at its length), stop strings (vLLM's servicer matches them; the gateway trims the
+//! mock's output instead), logprobs, embeddings.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -26,6 +28,8 @@ use kvgate_protocol::telemetry::EngineLoad;
 use kvgate_worker_proto::common;
 use kvgate_worker_proto::sglang::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
 use kvgate_worker_proto::sglang::{self as pb, generate_complete, generate_response};
+use kvgate_worker_proto::vllm;
+use kvgate_worker_proto::vllm::vllm_engine_server::{VllmEngine, VllmEngineServer};
 use parking_lot::Mutex;
 use rand::Rng;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
@@ -50,7 +54,7 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 /// Pieces of the tokenizer archive, as the servicers send it.
 const TOKENIZER_PIECE: usize = 64 << 10;
 
-/// The scheduler service over the mock's engine.
+/// Both runtimes' services over the mock's engine.
 #[derive(Clone)]
 pub struct MockScheduler {
     /// The engine, as the HTTP surface reaches it (commands, load, faults, model, ids, capacity).
@@ -66,9 +70,29 @@ pub struct MockScheduler {
 }
 
 impl MockScheduler {
-    /// The tonic service.
-    pub fn into_service(self) -> SglangSchedulerServer<Self> {
+    /// The tonic service as SGLang's scheduler serves it.
+    pub fn into_sglang(self) -> SglangSchedulerServer<Self> {
         SglangSchedulerServer::new(self)
+    }
+
+    /// The tonic service as vLLM's engine servicer serves it.
+    pub fn into_vllm(self) -> VllmEngineServer<Self> {
+        VllmEngineServer::new(self)
+    }
+
+    /// One rank's load, in the fields both runtimes' `SchedulerLoad` share.
+    fn rank_load(&self) -> RankLoad {
+        let l: EngineLoad = *self.engine.shared.load.lock();
+        RankLoad {
+            running: saturate_i32(l.running_requests),
+            waiting: saturate_i32(l.waiting_requests),
+            used_tokens: saturate_i32(l.active_tokens.unwrap_or(0)),
+            capacity: saturate_i32(self.engine.capacity_tokens),
+            usage: l.kv_usage.unwrap_or(0.0),
+            throughput: l.gen_throughput.unwrap_or(0.0),
+            max_running: saturate_i32(u64::from(self.max_running)),
+            waiting_uncached: saturate_i32(l.waiting_uncached_tokens.unwrap_or(0)),
+        }
     }
 
     fn load_pushed(&self, sample: u64, load_only: bool) -> common::EngineLoad {
@@ -98,7 +122,52 @@ fn saturate_i32(v: u64) -> i32 {
     i32::try_from(v).unwrap_or(i32::MAX)
 }
 
-type Messages = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+/// The load figures of one rank, as both runtimes' `SchedulerLoad` carry them.
+struct RankLoad {
+    running: i32,
+    waiting: i32,
+    used_tokens: i32,
+    capacity: i32,
+    usage: f64,
+    throughput: f64,
+    max_running: i32,
+    waiting_uncached: i32,
+}
+
+/// A [`RankLoad`] as one runtime's `SchedulerLoad` (the same fields under different generated types).
+macro_rules! scheduler_load {
+    ($proto:ident, $l:expr) => {{
+        let l = $l;
+        $proto::SchedulerLoad {
+            dp_rank: 0,
+            num_running_reqs: l.running,
+            num_waiting_reqs: l.waiting,
+            num_total_reqs: l.running.saturating_add(l.waiting),
+            num_used_tokens: l.used_tokens,
+            max_total_num_tokens: l.capacity,
+            token_usage: l.usage,
+            gen_throughput: l.throughput,
+            cache_hit_rate: 0.0,
+            utilization: 0.0,
+            max_running_requests: l.max_running,
+            num_waiting_uncached_tokens: l.waiting_uncached,
+        }
+    }};
+}
+
+/// A stream of one runtime's `Generate` messages.
+type Messages<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+type TokenizerChunks = Pin<Box<dyn Stream<Item = Result<common::GetTokenizerChunk, Status>> + Send>>;
+type EventBatches = Pin<Box<dyn Stream<Item = Result<common::KvEventBatch, Status>> + Send>>;
+
+/// What a sequence sends next, before it is put in one runtime's message types (the two
+/// services' messages have the same fields under different generated types).
+enum Out {
+    /// One generated token (streaming only).
+    Chunk { index: u32, id: u32, prompt_tokens: u32 },
+    /// The end: all ids when not streaming, else the last chunk's, as the Python servicers send.
+    Complete { index: u32, output_ids: Vec<u32>, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
+}
 
 /// One sequence of a request, as its stream of messages is built.
 struct Sequence {
@@ -116,7 +185,7 @@ struct Sequence {
 
 impl Sequence {
     /// The next message of this sequence, or `None` once it ended.
-    async fn next(&mut self) -> Option<Result<pb::GenerateResponse, Status>> {
+    async fn next(&mut self) -> Option<Result<Out, Status>> {
         if self.guard.finished {
             return None;
         }
@@ -128,15 +197,7 @@ impl Sequence {
                     self.ids.push(id);
                     if self.stream {
                         self.last_chunk = vec![id];
-                        return Some(Ok(self.message(generate_response::Response::Chunk(pb::GenerateStreamChunk {
-                            token_ids: vec![id],
-                            prompt_tokens: self.prompt_tokens,
-                            // The servicer counts a chunk's own tokens, not a running total.
-                            completion_tokens: 1,
-                            cached_tokens: 0,
-                            output_logprobs: None,
-                            index: self.index,
-                        }))));
+                        return Some(Ok(Out::Chunk { index: self.index, id, prompt_tokens: self.prompt_tokens }));
                     }
                 }
                 Some(TokenEvent::Done { prompt_tokens, cached_tokens, output_tokens }) => {
@@ -144,17 +205,13 @@ impl Sequence {
                     self.forget();
                     let output_ids =
                         if self.stream { std::mem::take(&mut self.last_chunk) } else { std::mem::take(&mut self.ids) };
-                    return Some(Ok(self.message(generate_response::Response::Complete(pb::GenerateComplete {
+                    return Some(Ok(Out::Complete {
+                        index: self.index,
                         output_ids,
-                        // The mock never samples an EOS: every sequence runs to its length.
-                        finish_reason: "length".into(),
                         prompt_tokens: saturate(prompt_tokens),
                         completion_tokens: saturate(output_tokens),
                         cached_tokens: saturate(cached_tokens),
-                        output_logprobs: None,
-                        matched_stop: None::<generate_complete::MatchedStop>,
-                        index: self.index,
-                    }))));
+                    }));
                 }
                 Some(TokenEvent::Failed) | None => {
                     self.guard.finished = true;
@@ -163,10 +220,6 @@ impl Sequence {
                 }
             }
         }
-    }
-
-    fn message(&self, response: generate_response::Response) -> pb::GenerateResponse {
-        pb::GenerateResponse { request_id: self.request_id.clone(), response: Some(response) }
     }
 
     fn forget(&self) {
@@ -180,15 +233,26 @@ impl Sequence {
     }
 }
 
-#[tonic::async_trait]
-impl SglangScheduler for MockScheduler {
-    type GenerateStream = Messages;
-    type GetTokenizerStream = Pin<Box<dyn Stream<Item = Result<common::GetTokenizerChunk, Status>> + Send>>;
-    type SubscribeKvEventsStream = Pin<Box<dyn Stream<Item = Result<common::KvEventBatch, Status>> + Send>>;
+/// What a `Generate` asks of the engine, in neither runtime's terms.
+struct Ask {
+    request_id: String,
+    tokens: Vec<u32>,
+    max_new_tokens: Option<u32>,
+    n: u32,
+    stream: bool,
+    logprobs: bool,
+}
 
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Messages>, Status> {
-        let r = request.into_inner();
-        let tokens = r.tokenized.map(|t| t.input_ids).unwrap_or_default();
+impl MockScheduler {
+    /// Checks a generation and submits its sequences; their messages come out in `shape`'s terms,
+    /// each sequence's as they come. A client that drops the stream drops the sequences' guards,
+    /// which cancel what is still running.
+    fn generate_as<T: Send + 'static>(
+        &self,
+        ask: Ask,
+        shape: fn(Out, &str) -> T,
+    ) -> Result<Response<Messages<T>>, Status> {
+        let tokens = ask.tokens;
         if tokens.is_empty() {
             return Err(Status::invalid_argument("the request has no input_ids"));
         }
@@ -198,17 +262,16 @@ impl SglangScheduler for MockScheduler {
                 vocab().vocab_size
             )));
         }
-        if r.return_logprob {
+        if ask.logprobs {
             return Err(Status::invalid_argument("the mock engine computes no logprobs"));
         }
-        let params = r.sampling_params.unwrap_or_default();
-        let max_new = params.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS);
+        let max_new = ask.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS);
         if max_new == 0 || max_new > MAX_NEW_TOKENS {
             return Err(Status::invalid_argument(format!(
                 "max_new_tokens = {max_new}: expected 1 to {MAX_NEW_TOKENS}"
             )));
         }
-        let n = params.n.max(1);
+        let n = ask.n.max(1);
         if n > MAX_SAMPLES {
             return Err(Status::invalid_argument(format!("n = {n}: expected at most {MAX_SAMPLES}")));
         }
@@ -219,10 +282,10 @@ impl SglangScheduler for MockScheduler {
         if fail {
             return Err(Status::internal("injected failure"));
         }
-        let request_id = if r.request_id.is_empty() {
+        let request_id = if ask.request_id.is_empty() {
             format!("mock-{}", self.engine.next_id.load(Ordering::Relaxed))
         } else {
-            r.request_id
+            ask.request_id
         };
         let prompt_tokens = saturate(tokens.len() as u64);
         let mut sequences = Vec::new();
@@ -240,18 +303,154 @@ impl SglangScheduler for MockScheduler {
                 guard: CancelOnDrop { id, commands: self.engine.commands.clone(), finished: false },
                 ids: Vec::new(),
                 last_chunk: Vec::new(),
-                stream: r.stream,
+                stream: ask.stream,
                 prompt_tokens,
                 request_id: request_id.clone(),
                 running: self.running.clone(),
             });
         }
-        // Each sequence's messages as they come; a client that drops the stream drops the guards,
-        // which cancel what is still running.
-        let streams = sequences
-            .into_iter()
-            .map(|s| futures_util::stream::unfold(s, |mut s| async move { s.next().await.map(|m| (m, s)) }).boxed());
+        let streams = sequences.into_iter().map(move |s| {
+            futures_util::stream::unfold(s, move |mut s| async move {
+                let next = s.next().await?;
+                Some((next.map(|out| shape(out, &s.request_id)), s))
+            })
+            .boxed()
+        });
         Ok(Response::new(Box::pin(futures_util::stream::select_all(streams))))
+    }
+
+    /// Cancels every sequence of `request_id`; whether any was still running.
+    fn abort_request(&self, request_id: &str) -> bool {
+        let ids = self.running.lock().remove(request_id).unwrap_or_default();
+        for engine_id in &ids {
+            let _ = self.engine.commands.send(Command::Cancel(*engine_id));
+        }
+        !ids.is_empty()
+    }
+
+    /// The tokenizer archive in pieces, the checksum on the last, as the servicers send it.
+    fn tokenizer_chunks() -> TokenizerChunks {
+        let v = vocab();
+        let pieces: Vec<&[u8]> = v.archive.chunks(TOKENIZER_PIECE).collect();
+        let last = pieces.len().saturating_sub(1);
+        let chunks: Vec<_> = pieces
+            .into_iter()
+            .enumerate()
+            .map(|(i, data)| {
+                Ok(common::GetTokenizerChunk {
+                    data: data.to_vec(),
+                    sha256: if i == last { v.sha256.clone() } else { String::new() },
+                })
+            })
+            .collect();
+        Box::pin(futures_util::stream::iter(chunks))
+    }
+
+    /// A `SubscribeKvEvents` stream, live from now.
+    fn event_batches(&self, start: u64) -> Result<EventBatches, Status> {
+        if start != 0 {
+            return Err(Status::out_of_range(format!(
+                "a subscription keeps no history: start at 0 (live from now), not {start}"
+            )));
+        }
+        self.engine.shared.event_streams.fetch_add(1, Ordering::Relaxed);
+        let relay = Relay {
+            scheduler: self.clone(),
+            live: self.live.subscribe(),
+            published_seq: self.published_seq.clone(),
+            started_at: self.engine.shared.started_at(),
+            last_seq: None,
+            sample: 0,
+        };
+        let stream = futures_util::stream::unfold(Some(relay), |relay| async move {
+            let mut relay = relay?;
+            match relay.next().await {
+                Ok(batch) => Some((Ok(batch), Some(relay))),
+                Err(status) => Some((Err(status), None)),
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+}
+
+/// An [`Out`] as SGLang's scheduler sends it.
+fn sglang_message(out: Out, request_id: &str) -> pb::GenerateResponse {
+    let response = match out {
+        Out::Chunk { index, id, prompt_tokens } => generate_response::Response::Chunk(pb::GenerateStreamChunk {
+            token_ids: vec![id],
+            prompt_tokens,
+            // The servicer counts a chunk's own tokens, not a running total.
+            completion_tokens: 1,
+            cached_tokens: 0,
+            output_logprobs: None,
+            index,
+        }),
+        Out::Complete { index, output_ids, prompt_tokens, completion_tokens, cached_tokens } => {
+            generate_response::Response::Complete(pb::GenerateComplete {
+                output_ids,
+                // The mock never samples an EOS: every sequence runs to its length.
+                finish_reason: "length".into(),
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+                output_logprobs: None,
+                matched_stop: None::<generate_complete::MatchedStop>,
+                index,
+            })
+        }
+    };
+    pb::GenerateResponse { request_id: request_id.to_owned(), response: Some(response) }
+}
+
+/// An [`Out`] as vLLM's engine servicer sends it.
+fn vllm_message(out: Out, _request_id: &str) -> vllm::GenerateResponse {
+    use vllm::generate_response::Response as R;
+    let response = match out {
+        Out::Chunk { index, id, prompt_tokens } => R::Chunk(vllm::GenerateStreamChunk {
+            token_ids: vec![id],
+            prompt_tokens,
+            completion_tokens: 1,
+            cached_tokens: 0,
+            output_logprobs: None,
+            index,
+        }),
+        Out::Complete { index, output_ids, prompt_tokens, completion_tokens, cached_tokens } => {
+            R::Complete(vllm::GenerateComplete {
+                output_ids,
+                finish_reason: "length".into(),
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+                output_logprobs: None,
+                index,
+                matched_stop: None,
+            })
+        }
+    };
+    vllm::GenerateResponse { response: Some(response) }
+}
+
+#[tonic::async_trait]
+impl SglangScheduler for MockScheduler {
+    type GenerateStream = Messages<pb::GenerateResponse>;
+    type GetTokenizerStream = TokenizerChunks;
+    type SubscribeKvEventsStream = EventBatches;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Messages<pb::GenerateResponse>>, Status> {
+        let r = request.into_inner();
+        let params = r.sampling_params.unwrap_or_default();
+        let ask = Ask {
+            request_id: r.request_id,
+            tokens: r.tokenized.map(|t| t.input_ids).unwrap_or_default(),
+            max_new_tokens: params.max_new_tokens,
+            n: params.n,
+            stream: r.stream,
+            logprobs: r.return_logprob,
+        };
+        self.generate_as(ask, sglang_message)
     }
 
     async fn embed(&self, _: Request<pb::EmbedRequest>) -> Result<Response<pb::EmbedResponse>, Status> {
@@ -267,12 +466,9 @@ impl SglangScheduler for MockScheduler {
 
     async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
         let id = request.into_inner().request_id;
-        let ids = self.running.lock().remove(&id).unwrap_or_default();
-        for engine_id in &ids {
-            let _ = self.engine.commands.send(Command::Cancel(*engine_id));
-        }
-        let message = if ids.is_empty() { format!("no running request {id}") } else { String::new() };
-        Ok(Response::new(pb::AbortResponse { success: !ids.is_empty(), message }))
+        let aborted = self.abort_request(&id);
+        let message = if aborted { String::new() } else { format!("no running request {id}") };
+        Ok(Response::new(pb::AbortResponse { success: aborted, message }))
     }
 
     async fn get_model_info(
@@ -316,25 +512,11 @@ impl SglangScheduler for MockScheduler {
     }
 
     async fn get_loads(&self, _: Request<pb::GetLoadsRequest>) -> Result<Response<pb::GetLoadsResponse>, Status> {
-        let l: EngineLoad = *self.engine.shared.load.lock();
         Ok(Response::new(pb::GetLoadsResponse {
             timestamp: String::new(),
             version: "kvgate-mock".into(),
             dp_rank_count: 1,
-            loads: vec![pb::SchedulerLoad {
-                dp_rank: 0,
-                num_running_reqs: saturate_i32(l.running_requests),
-                num_waiting_reqs: saturate_i32(l.waiting_requests),
-                num_total_reqs: saturate_i32(l.running_requests + l.waiting_requests),
-                num_used_tokens: saturate_i32(l.active_tokens.unwrap_or(0)),
-                max_total_num_tokens: saturate_i32(self.engine.capacity_tokens),
-                token_usage: l.kv_usage.unwrap_or(0.0),
-                gen_throughput: l.gen_throughput.unwrap_or(0.0),
-                cache_hit_rate: 0.0,
-                utilization: 0.0,
-                max_running_requests: saturate_i32(u64::from(self.max_running)),
-                num_waiting_uncached_tokens: saturate_i32(l.waiting_uncached_tokens.unwrap_or(0)),
-            }],
+            loads: vec![scheduler_load!(pb, self.rank_load())],
         }))
     }
 
@@ -348,48 +530,129 @@ impl SglangScheduler for MockScheduler {
     async fn get_tokenizer(
         &self,
         _: Request<common::GetTokenizerRequest>,
-    ) -> Result<Response<Self::GetTokenizerStream>, Status> {
-        let v = vocab();
-        let pieces: Vec<&[u8]> = v.archive.chunks(TOKENIZER_PIECE).collect();
-        let last = pieces.len().saturating_sub(1);
-        let chunks: Vec<_> = pieces
-            .into_iter()
-            .enumerate()
-            .map(|(i, data)| {
-                Ok(common::GetTokenizerChunk {
-                    data: data.to_vec(),
-                    sha256: if i == last { v.sha256.clone() } else { String::new() },
-                })
-            })
-            .collect();
-        Ok(Response::new(Box::pin(futures_util::stream::iter(chunks))))
+    ) -> Result<Response<TokenizerChunks>, Status> {
+        Ok(Response::new(Self::tokenizer_chunks()))
     }
 
     async fn subscribe_kv_events(
         &self,
         request: Request<common::SubscribeKvEventsRequest>,
-    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
-        let start = request.into_inner().start_sequence_number;
-        if start != 0 {
-            return Err(Status::out_of_range(format!(
-                "a subscription keeps no history: start at 0 (live from now), not {start}"
-            )));
-        }
-        let relay = Relay {
-            scheduler: self.clone(),
-            live: self.live.subscribe(),
-            published_seq: self.published_seq.clone(),
-            last_seq: None,
-            sample: 0,
-        };
-        let stream = futures_util::stream::unfold(Some(relay), |relay| async move {
-            let mut relay = relay?;
-            match relay.next().await {
-                Ok(batch) => Some((Ok(batch), Some(relay))),
-                Err(status) => Some((Err(status), None)),
+    ) -> Result<Response<EventBatches>, Status> {
+        self.event_batches(request.into_inner().start_sequence_number).map(Response::new)
+    }
+}
+
+#[tonic::async_trait]
+impl VllmEngine for MockScheduler {
+    type GenerateStream = Messages<vllm::GenerateResponse>;
+    type GetTokenizerStream = TokenizerChunks;
+    type SubscribeKvEventsStream = EventBatches;
+
+    async fn generate(
+        &self,
+        request: Request<vllm::GenerateRequest>,
+    ) -> Result<Response<Messages<vllm::GenerateResponse>>, Status> {
+        let r = request.into_inner();
+        let tokens = match r.input {
+            Some(vllm::generate_request::Input::Tokenized(t)) => t.input_ids,
+            Some(vllm::generate_request::Input::Text(_)) => {
+                return Err(Status::invalid_argument("the mock engine takes token ids, not text"))
             }
-        });
-        Ok(Response::new(Box::pin(stream)))
+            None => Vec::new(),
+        };
+        let params = r.sampling_params.unwrap_or_default();
+        let ask = Ask {
+            request_id: r.request_id,
+            tokens,
+            max_new_tokens: params.max_tokens,
+            n: params.n,
+            stream: r.stream,
+            logprobs: params.logprobs.is_some() || params.prompt_logprobs.is_some(),
+        };
+        self.generate_as(ask, vllm_message)
+    }
+
+    async fn embed(&self, _: Request<vllm::EmbedRequest>) -> Result<Response<vllm::EmbedResponse>, Status> {
+        Err(Status::unimplemented("the mock model is not an embedding model"))
+    }
+
+    async fn health_check(
+        &self,
+        _: Request<vllm::HealthCheckRequest>,
+    ) -> Result<Response<vllm::HealthCheckResponse>, Status> {
+        Ok(Response::new(vllm::HealthCheckResponse { healthy: true, message: String::new() }))
+    }
+
+    async fn flush_cache(
+        &self,
+        _: Request<common::FlushCacheRequest>,
+    ) -> Result<Response<common::FlushCacheResponse>, Status> {
+        Err(Status::unimplemented("the mock engine's cache is emptied by POST /admin/restart on its HTTP port"))
+    }
+
+    async fn abort(&self, request: Request<vllm::AbortRequest>) -> Result<Response<vllm::AbortResponse>, Status> {
+        for id in request.into_inner().request_ids {
+            self.abort_request(&id);
+        }
+        Ok(Response::new(vllm::AbortResponse {}))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<vllm::GetModelInfoRequest>,
+    ) -> Result<Response<vllm::GetModelInfoResponse>, Status> {
+        Ok(Response::new(vllm::GetModelInfoResponse {
+            model_path: self.engine.model.clone(),
+            is_generation: true,
+            max_context_length: CONTEXT_LENGTH as u32,
+            vocab_size: vocab().vocab_size,
+            served_model_name: self.engine.model.clone(),
+            tokenizer_path: self.engine.model.clone(),
+            model_type: "kvgate-mock".into(),
+            eos_token_ids: vec![saturate_i32(u64::from(vocab().eos))],
+            pad_token_id: 0,
+            bos_token_id: 0,
+            max_req_input_len: CONTEXT_LENGTH,
+        }))
+    }
+
+    async fn get_server_info(
+        &self,
+        _: Request<vllm::GetServerInfoRequest>,
+    ) -> Result<Response<vllm::GetServerInfoResponse>, Status> {
+        let load = *self.engine.shared.load.lock();
+        Ok(Response::new(vllm::GetServerInfoResponse {
+            active_requests: saturate(load.running_requests + load.waiting_requests),
+            uptime_seconds: 0.0,
+            server_type: "grpc".into(),
+            data_parallel_size: 1,
+            kv_cache_dtype: "auto".into(),
+            block_size: saturate_i32(u64::from(self.engine.block_size)),
+            max_num_seqs: saturate_i32(u64::from(self.max_running)),
+        }))
+    }
+
+    async fn get_loads(&self, _: Request<vllm::GetLoadsRequest>) -> Result<Response<vllm::GetLoadsResponse>, Status> {
+        Ok(Response::new(vllm::GetLoadsResponse {
+            timestamp: String::new(),
+            version: "kvgate-mock".into(),
+            dp_rank_count: 1,
+            loads: vec![scheduler_load!(vllm, self.rank_load())],
+        }))
+    }
+
+    async fn get_tokenizer(
+        &self,
+        _: Request<common::GetTokenizerRequest>,
+    ) -> Result<Response<TokenizerChunks>, Status> {
+        Ok(Response::new(Self::tokenizer_chunks()))
+    }
+
+    async fn subscribe_kv_events(
+        &self,
+        request: Request<common::SubscribeKvEventsRequest>,
+    ) -> Result<Response<EventBatches>, Status> {
+        self.event_batches(request.into_inner().start_sequence_number).map(Response::new)
     }
 }
 
@@ -399,14 +662,26 @@ struct Relay {
     scheduler: MockScheduler,
     live: broadcast::Receiver<Arc<(EventBatch, f64)>>,
     published_seq: Arc<AtomicU64>,
+    /// The engine process's start when the stream opened: a restart ends the stream, as a
+    /// restarted worker's connection ends.
+    started_at: f64,
     last_seq: Option<u64>,
     sample: u64,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.scheduler.engine.shared.event_streams.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Relay {
     async fn next(&mut self) -> Result<common::KvEventBatch, Status> {
         self.sample += 1;
         loop {
+            if self.scheduler.engine.shared.started_at() != self.started_at {
+                return Err(Status::unavailable("the engine restarted: subscribe again"));
+            }
             let received = match tokio::time::timeout(HEARTBEAT, self.live.recv()).await {
                 Ok(received) => received,
                 Err(_idle) => match self.last_seq {

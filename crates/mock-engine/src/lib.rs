@@ -7,7 +7,7 @@
 //!   not), SGLang `/generate`, `/v1/models`, `/health`, SGLang-style `/v1/loads`, vLLM-style
 //!   `/metrics`, and `/admin/fault` + `/admin/restart` for fault injection.
 //! - [`events`]: the ZMQ PUB and replay ROUTER, in vLLM's or SGLang's wire format.
-//! - [`grpc`]: with [`MockConfig::grpc`], SGLang's scheduler service of SMG's gRPC worker protocol
+//! - [`grpc`]: with [`MockConfig::grpc`], SMG's gRPC worker protocol as vLLM or SGLang serves it
 //!   (token ids in and out, KV events and load on `SubscribeKvEvents`), the HTTP surface moving to
 //!   a port of its own; [`vocab`]: the mock model's tokenizer it hands over (`GetTokenizer`).
 //!
@@ -28,6 +28,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_engine_model::{Engine, EngineProfile, Flavor};
+use kvgate_worker_proto::sglang::sglang_scheduler_server::SglangSchedulerServer;
+use kvgate_worker_proto::vllm::vllm_engine_server::VllmEngineServer;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -96,8 +98,8 @@ pub struct MockConfig {
     pub faults: Faults,
     /// Seed of the engine's block hashes.
     pub seed: u64,
-    /// Serve SMG's gRPC worker protocol on `port` (as SGLang's scheduler, whose KV event
-    /// conventions the engine then follows) instead of HTTP; the HTTP surface (admin, `/metrics`,
+    /// Serve SMG's gRPC worker protocol on `port` instead of HTTP, as the runtime `format` names
+    /// (vLLM's engine servicer or SGLang's scheduler); the HTTP surface (admin, `/metrics`,
     /// `/v1/loads`) then listens on `http_port`.
     pub grpc: bool,
     /// The HTTP port in gRPC mode (0: any); unused otherwise.
@@ -166,7 +168,6 @@ impl MockEngine {
         // decode-filled blocks, SGLang opens every process with `AllBlocksCleared`.
         let flavor = match cfg.format {
             EventFormat::Sglang => Flavor::Sglang,
-            EventFormat::Vllm if cfg.grpc => Flavor::Sglang,
             EventFormat::Vllm => Flavor::Vllm,
         };
         let engine = Engine::new(EngineProfile { flavor, ..cfg.profile.clone() }, cfg.seed);
@@ -212,15 +213,21 @@ impl MockEngine {
                 .await
                 .map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.host, cfg.port))?;
             url = format!("grpc://{}", grpc_listener.local_addr().map_err(|e| e.to_string())?);
+            // The runtime the events speak: vLLM's engine servicer or SGLang's scheduler.
             let (health, health_service) = tonic_health::server::health_reporter();
-            health.set_serving::<kvgate_worker_proto::sglang::sglang_scheduler_server::SglangSchedulerServer<grpc::MockScheduler>>().await;
+            let router = match cfg.format {
+                EventFormat::Vllm => {
+                    health.set_serving::<VllmEngineServer<grpc::MockScheduler>>().await;
+                    tonic::transport::Server::builder().add_service(scheduler.into_vllm())
+                }
+                EventFormat::Sglang => {
+                    health.set_serving::<SglangSchedulerServer<grpc::MockScheduler>>().await;
+                    tonic::transport::Server::builder().add_service(scheduler.into_sglang())
+                }
+            };
             let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
             let server = tokio::spawn(async move {
-                let served = tonic::transport::Server::builder()
-                    .add_service(scheduler.into_service())
-                    .add_service(health_service)
-                    .serve_with_incoming(incoming)
-                    .await;
+                let served = router.add_service(health_service).serve_with_incoming(incoming).await;
                 if let Err(e) = served {
                     tracing::error!(error = %e, "mock engine gRPC server failed");
                 }
@@ -261,6 +268,12 @@ impl MockEngine {
     /// events published before are lost to it, as with a real engine, so tests wait for this.
     pub fn kv_subscribers(&self) -> usize {
         self.publisher.subscribers()
+    }
+
+    /// `SubscribeKvEvents` streams open now (gRPC mode): batches published before a gateway's
+    /// stream opened are lost to it, as with a real worker, so tests wait for this.
+    pub fn grpc_event_streams(&self) -> u64 {
+        self.shared.event_streams.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Prompt tokens admitted and cached so far.

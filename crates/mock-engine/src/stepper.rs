@@ -60,6 +60,8 @@ pub struct Shared {
     pub max_waiting: AtomicU64,
     /// Requests aborted because their client went away.
     pub cancelled: AtomicU64,
+    /// `SubscribeKvEvents` streams open now (gRPC mode).
+    pub event_streams: AtomicU64,
     /// Requests finished.
     pub finished: AtomicU64,
     /// When the current engine "process" started, in Unix seconds (`f64` bits): what vLLM reports as

@@ -132,16 +132,15 @@ async fn route(
         check_estimate(state, rest);
     }
     // An endpoint gRPC workers do not serve goes to the HTTP engines of a mixed fleet only.
-    let unserved: Vec<WorkerId> = match openai::grpc_unserved(endpoint) {
-        Some(err) => {
-            let engines = state.engines.read();
-            let grpc: Vec<WorkerId> = engines.values().filter(|e| e.grpc.is_some()).map(|e| e.id.clone()).collect();
-            if !grpc.is_empty() && grpc.len() == engines.len() {
-                return Err((err, false));
-            }
-            grpc
+    let unserved: Vec<WorkerId> = if openai::grpc_serves(endpoint) {
+        Vec::new()
+    } else {
+        let engines = state.engines.read();
+        let grpc: Vec<WorkerId> = engines.values().filter(|e| e.grpc.is_some()).map(|e| e.id.clone()).collect();
+        if !grpc.is_empty() && grpc.len() == engines.len() {
+            return Err((openai::grpc_unserved(endpoint), false));
         }
-        None => Vec::new(),
+        grpc
     };
     let keys = routing_keys(state, endpoint, &parsed);
     let mut queue = QueueSlot::new(state, state.clock.instant() + state.config.queue_timeout);

@@ -193,22 +193,27 @@ fn unsupported(key: &str, why: &str) -> ApiError {
     ApiError::invalid(key, format!("`{key}` {why} is not supported with gRPC workers yet"))
 }
 
-/// Why gRPC workers cannot serve `endpoint`; `None` for the endpoints they serve.
-pub fn grpc_unserved(endpoint: Endpoint) -> Option<ApiError> {
-    (!matches!(endpoint, Endpoint::Chat | Endpoint::Completions)).then(|| ApiError::InvalidRequest {
+/// Whether gRPC workers serve `endpoint`.
+pub fn grpc_serves(endpoint: Endpoint) -> bool {
+    matches!(endpoint, Endpoint::Chat | Endpoint::Completions)
+}
+
+/// The answer to a request for an endpoint gRPC workers do not serve.
+pub fn grpc_unserved(endpoint: Endpoint) -> ApiError {
+    ApiError::InvalidRequest {
         param: None,
         message: format!(
             "{} is not served by gRPC workers yet: only /v1/chat/completions and /v1/completions",
             endpoint.path()
         ),
-    })
+    }
 }
 
 impl Plan {
     /// Reads what `body` asks for. `model` names the response's model when the request does not.
     pub fn from_request(endpoint: Endpoint, body: &Value, model: &str) -> Result<Plan, ApiError> {
-        if let Some(err) = grpc_unserved(endpoint) {
-            return Err(err);
+        if !grpc_serves(endpoint) {
+            return Err(grpc_unserved(endpoint));
         }
         let Some(fields) = body.as_object() else {
             return Err(ApiError::InvalidRequest {

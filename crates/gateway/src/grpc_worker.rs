@@ -95,6 +95,9 @@ pub struct Sampling {
     pub logit_bias: Vec<(u32, f32)>,
     /// What the output must match (structured outputs), if anything.
     pub constraint: Option<Constraint>,
+    /// Log probabilities of each output token, with this many of the most likely alternatives
+    /// (`None`: none asked).
+    pub logprobs: Option<u32>,
 }
 
 /// A structured-output constraint the worker's grammar engine enforces while sampling.
@@ -137,8 +140,20 @@ pub enum MatchedStop {
     Text(String),
 }
 
+/// Log probabilities of a run of output tokens, as a worker sends them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled tokens.
+    pub token_ids: Vec<u32>,
+    /// Each sampled token's log probability.
+    pub values: Vec<f32>,
+    /// Each position's most likely tokens with their log probabilities, most likely first (empty
+    /// rows when no alternatives were asked).
+    pub top: Vec<Vec<(u32, f32)>>,
+}
+
 /// One message of a worker's answer, in the runtimes' common terms.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     /// New tokens of sequence `index`.
     Chunk {
@@ -150,6 +165,8 @@ pub enum Piece {
         prompt_tokens: u32,
         /// Prompt tokens served from the worker's prefix cache.
         cached_tokens: u32,
+        /// The new tokens' log probabilities, when asked.
+        logprobs: Option<TokenLogprobs>,
     },
     /// Sequence `index` ended.
     Complete {
@@ -168,6 +185,8 @@ pub enum Piece {
         cached_tokens: u32,
         /// What stopped it, when a stop did.
         matched_stop: Option<MatchedStop>,
+        /// Log probabilities of `output_ids`, when asked.
+        logprobs: Option<TokenLogprobs>,
     },
 }
 
@@ -613,6 +632,7 @@ fn to_vllm(g: Generation) -> vllm::GenerateRequest {
             seed: s.seed,
             include_stop_str_in_output: s.include_stop_str_in_output,
             logit_bias: s.logit_bias.iter().filter_map(|&(t, b)| Some((i32::try_from(t).ok()?, b))).collect(),
+            logprobs: s.logprobs.map(|k| i32::try_from(k).unwrap_or(i32::MAX)),
             constraint: s.constraint.map(|c| {
                 use vllm::sampling_params::Constraint as C;
                 match c {
@@ -672,8 +692,23 @@ fn to_sglang(g: Generation) -> sglang::GenerateRequest {
             ..Default::default()
         }),
         stream,
+        return_logprob: s.logprobs.is_some(),
+        top_logprobs_num: s.logprobs.map_or(0, |k| i32::try_from(k).unwrap_or(i32::MAX)),
+        // The prompt's own log probabilities are not asked for (0 would ask from its start).
+        logprob_start_len: -1,
         ..Default::default()
     }
+}
+
+/// A worker's `OutputLogProbs` in common terms; `None` when it carries no token.
+macro_rules! logprobs_from {
+    ($lp:expr) => {
+        $lp.filter(|l| !l.token_ids.is_empty()).map(|l| TokenLogprobs {
+            token_ids: l.token_ids,
+            values: l.token_logprobs,
+            top: l.top_logprobs.into_iter().map(|t| t.token_ids.into_iter().zip(t.values).collect()).collect(),
+        })
+    };
 }
 
 /// One Generate message as a [`Piece`]. The two runtimes' messages have the same fields under
@@ -687,6 +722,7 @@ macro_rules! piece_from {
                 token_ids: c.token_ids,
                 prompt_tokens: c.prompt_tokens,
                 cached_tokens: c.cached_tokens,
+                logprobs: logprobs_from!(c.output_logprobs),
             }),
             Some($proto::generate_response::Response::Complete(c)) => Ok(Piece::Complete {
                 index: c.index,
@@ -699,6 +735,7 @@ macro_rules! piece_from {
                     M::MatchedTokenId(t) => MatchedStop::Token(t),
                     M::MatchedStopStr(s) => MatchedStop::Text(s),
                 }),
+                logprobs: logprobs_from!(c.output_logprobs),
             }),
             None => Err(Status::internal("a Generate message without a chunk or a completion")),
         }

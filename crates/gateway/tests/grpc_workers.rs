@@ -60,7 +60,7 @@ type Bundle = Arc<Mutex<Option<(Vec<u8>, String)>>>;
 
 type Pieces = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
-fn chunk(index: u32, ids: &[u32], prompt: u32) -> pb::GenerateResponse {
+fn chunk(index: u32, ids: &[u32], prompt: u32, logprobs: Option<pb::OutputLogProbs>) -> pb::GenerateResponse {
     pb::GenerateResponse {
         request_id: String::new(),
         response: Some(generate_response::Response::Chunk(pb::GenerateStreamChunk {
@@ -69,9 +69,31 @@ fn chunk(index: u32, ids: &[u32], prompt: u32) -> pb::GenerateResponse {
             completion_tokens: ids.len() as u32,
             cached_tokens: 3,
             index,
-            ..Default::default()
+            output_logprobs: logprobs,
         })),
     }
+}
+
+/// The fake worker's log probability of the token at output position `at`.
+fn fake_logprob(at: usize) -> f32 {
+    -0.25 * (at + 1) as f32
+}
+
+/// What the fake worker sends for `ids` from output position `from`, with `top` alternatives
+/// each (the sampled token first, then the ids after it), when logprobs were asked.
+fn fake_logprobs(ids: &[u32], from: usize, top: i32, asked: bool) -> Option<pb::OutputLogProbs> {
+    asked.then(|| pb::OutputLogProbs {
+        token_logprobs: (from..from + ids.len()).map(fake_logprob).collect(),
+        token_ids: ids.to_vec(),
+        top_logprobs: ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| pb::TopLogProbs {
+                values: (0..top).map(|k| fake_logprob(from + i) - k as f32).collect(),
+                token_ids: (0..top as u32).map(|k| id + k).collect(),
+            })
+            .collect(),
+    })
 }
 
 #[tonic::async_trait]
@@ -86,6 +108,7 @@ impl SglangScheduler for FakeScheduler {
         let max = r.sampling_params.as_ref().and_then(|s| s.max_new_tokens).unwrap_or(u32::MAX) as usize;
         let stream = r.stream;
         let r_n = r.sampling_params.as_ref().map_or(1, |s| s.n);
+        let (asked, top) = (r.return_logprob, r.top_logprobs_num);
         self.seen.lock().generated.push(r);
         if max == 2 {
             // The worker refuses the request after accepting the stream.
@@ -104,9 +127,10 @@ impl SglangScheduler for FakeScheduler {
             ("stop", Some(generate_complete::MatchedStop::MatchedTokenId(self.eos)))
         };
         let n = r_n.max(1);
-        let complete = move |index: u32, output_ids: Vec<u32>, completion: u32| pb::GenerateResponse {
+        let complete = move |index: u32, output_ids: Vec<u32>, completion: u32, from: usize| pb::GenerateResponse {
             request_id: String::new(),
             response: Some(generate_response::Response::Complete(pb::GenerateComplete {
+                output_logprobs: fake_logprobs(&output_ids, from, top, asked),
                 output_ids,
                 finish_reason: finish.into(),
                 prompt_tokens: prompt,
@@ -114,7 +138,6 @@ impl SglangScheduler for FakeScheduler {
                 cached_tokens: 3,
                 matched_stop: matched.clone(),
                 index,
-                ..Default::default()
             })),
         };
         let delay = self.chunk_delay;
@@ -124,10 +147,15 @@ impl SglangScheduler for FakeScheduler {
             let chunks: Vec<Vec<u32>> = ids.chunks(2).map(<[u32]>::to_vec).collect();
             let last = chunks.last().cloned().unwrap_or_default();
             let count = ids.len() as u32;
+            let last_from = ids.len() - last.len();
             // Every sequence's chunks interleaved, as a worker batching them sends them.
-            let mut messages: Vec<pb::GenerateResponse> =
-                chunks.iter().flat_map(|c| (0..n).map(move |i| chunk(i, c, prompt))).collect();
-            messages.extend((0..n).map(|i| complete(i, last.clone(), count)));
+            let mut messages: Vec<pb::GenerateResponse> = chunks
+                .iter()
+                .enumerate()
+                .flat_map(|(k, c)| (0..n).map(move |i| chunk(i, c, prompt, fake_logprobs(c, 2 * k, top, asked))))
+                .collect();
+            // The end repeats the last chunk's ids and logprobs, as the Python servicers do.
+            messages.extend((0..n).map(|i| complete(i, last.clone(), count, last_from)));
             Box::pin(futures_util::stream::iter(messages).then(move |m| async move {
                 tokio::time::sleep(delay).await;
                 Ok(m)
@@ -135,7 +163,7 @@ impl SglangScheduler for FakeScheduler {
         } else {
             let count = ids.len() as u32;
             // Every sequence numbered 0, as SGLang's Python servicer (0.14.1) numbers a whole answer's.
-            Box::pin(futures_util::stream::iter((0..n).map(move |_| Ok(complete(0, ids.clone(), count)))))
+            Box::pin(futures_util::stream::iter((0..n).map(move |_| Ok(complete(0, ids.clone(), count, 0)))))
         };
         Ok(Response::new(pieces))
     }
@@ -454,6 +482,91 @@ async fn a_stop_string_ends_the_text_in_the_gateway_and_aborts_the_worker() {
     assert!(ok, "the worker was told to stop after the gateway's stop-string match: {:?}", f.seen.lock().aborted);
 }
 
+/// Each `logprobs.content` entry of a chat response's chunks (or whole body), in order.
+fn chat_logprobs(bodies: &[Value]) -> Vec<Value> {
+    bodies
+        .iter()
+        .flat_map(|b| b["choices"].as_array().cloned().unwrap_or_default())
+        .flat_map(|c| c["logprobs"]["content"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_follow_the_tokens_the_answer_keeps_whole_and_streamed() {
+    let f = fixture(Duration::from_millis(2)).await;
+    let tokens =
+        HfTokenizer::load(&tokenizer_path(), HfOptions::default()).unwrap().encode_prompt(OUTPUT, false).unwrap();
+    let mut seen = Vec::new();
+    for stream in [false, true] {
+        let body = chat(stream, json!({"logprobs": true, "top_logprobs": 2}));
+        let resp = f.gw.post("/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let bodies = if stream { stream_text(&resp.text().await.unwrap()).1 } else { vec![resp.json().await.unwrap()] };
+        let sent = f.seen.lock().generated.last().unwrap().clone();
+        assert!(sent.return_logprob && sent.top_logprobs_num == 2 && sent.logprob_start_len == -1, "{sent:?}");
+        let entries = chat_logprobs(&bodies);
+        assert_eq!(entries.len(), tokens.len() + 1, "every token and the EOS, stream {stream}: {entries:?}");
+        for (at, e) in entries.iter().enumerate() {
+            assert_eq!(e["logprob"], f64::from(fake_logprob(at)), "stream {stream}: {e}");
+            assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2, "{e}");
+        }
+        // SGLang's server shows each token's own bytes: the emoji's pieces add up to it.
+        let bytes: Vec<u8> = entries[..tokens.len()]
+            .iter()
+            .flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), OUTPUT, "stream {stream}");
+        assert_eq!(entries[tokens.len()]["token"], "<｜end▁of▁sentence｜>", "the EOS is shown, by its name");
+        seen.push(entries);
+    }
+    assert_eq!(seen[0], seen[1], "streamed and whole show the same logprobs");
+
+    // Cut at a stop string: the tokens after the one that completed it are not shown.
+    let body = chat(false, json!({"logprobs": true, "stop": ["STOP"]}));
+    let v: Value = f.gw.post("/v1/chat/completions", &body).await.json().await.unwrap();
+    let kept = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let entries = chat_logprobs(std::slice::from_ref(&v));
+    assert_eq!(entries.len(), kept, "{v}");
+    assert!(entries.iter().all(|e| e["top_logprobs"] == json!([])), "no alternatives asked: {v}");
+
+    // Completions: the parallel lists, one alternative per token asked.
+    for stream in [false, true] {
+        let body = json!({"model": "fake-model", "prompt": "Once", "max_tokens": 5, "logprobs": 1, "stream": stream});
+        let resp = f.gw.post("/v1/completions", &body).await;
+        let bodies = if stream { stream_text(&resp.text().await.unwrap()).1 } else { vec![resp.json().await.unwrap()] };
+        let lists: Vec<Value> =
+            bodies.iter().map(|b| b["choices"][0]["logprobs"].clone()).filter(|l| !l.is_null()).collect();
+        let count = |key: &str| lists.iter().map(|l| l[key].as_array().unwrap().len()).sum::<usize>();
+        assert_eq!(count("tokens"), 5, "stream {stream}: {lists:?}");
+        assert_eq!((count("token_logprobs"), count("top_logprobs"), count("text_offset")), (5, 5, 5));
+        assert!(
+            lists.iter().all(|l| l["text_offset"].as_array().unwrap().iter().all(|o| o == -1)),
+            "SGLang shows no offsets"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_puts_the_prompt_before_the_text_whole_and_streamed() {
+    let f = fixture(Duration::ZERO).await;
+    let tokenizer = HfTokenizer::load(&tokenizer_path(), HfOptions::default()).unwrap();
+    let hello = tokenizer.encode_prompt("Hello", false).unwrap();
+    for prompt in [json!("Once upon"), json!(tokenizer.encode_prompt("Once upon", false).unwrap())] {
+        for stream in [false, true] {
+            let body = json!({"model": "fake-model", "prompt": prompt, "max_tokens": hello.len(), "echo": true, "stream": stream});
+            let resp = f.gw.post("/v1/completions", &body).await;
+            assert_eq!(resp.status(), 200);
+            let text = if stream {
+                stream_text(&resp.text().await.unwrap()).0
+            } else {
+                let v: Value = resp.json().await.unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_owned()
+            };
+            assert_eq!(text, "Once uponHello", "prompt {prompt}, stream {stream}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_field_the_worker_cannot_honour_is_refused_by_name_before_it_is_sent() {
     let f = fixture(Duration::ZERO).await;
@@ -462,7 +575,8 @@ async fn a_field_the_worker_cannot_honour_is_refused_by_name_before_it_is_sent()
         (json!({"n": 0}), "`n`"),
         (json!({"response_format": {"type": "structural_tag"}}), "response_format"),
         (json!({"structured_outputs": {"choice": ["a", "b"]}}), "choice"),
-        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
         (json!({"seed": 7}), "seed"),
     ] {
         let resp = f.gw.post("/v1/chat/completions", &chat(false, extra.clone())).await;

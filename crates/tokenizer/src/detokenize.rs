@@ -55,6 +55,16 @@ impl Detokenizer {
         Detokenizer { tokenizer, skip_special_tokens, ids: prompt.to_vec(), prefix: String::new(), prefix_index: 0 }
     }
 
+    /// The text of `ids` decoded whole (a prompt echoed back).
+    pub fn text_of(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizeError> {
+        self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| TokenizeError::Decode(e.to_string()))
+    }
+
+    /// Names this sequence's tokens in `logprobs` as `style`'s server does.
+    pub fn token_names(&self, style: crate::token_names::NameStyle) -> crate::token_names::TokenNames {
+        crate::token_names::TokenNames::new(self.tokenizer.clone(), style)
+    }
+
     fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
         self.tokenizer.decode(ids, self.skip_special_tokens).map_err(|e| TokenizeError::Decode(e.to_string()))
     }

@@ -18,7 +18,8 @@
 //!   tokenizer provably splits.
 //! - [`routed`]: a prompt tokenized only as far as routing needs, the rest estimated.
 //! - [`detokenize`]: output token ids back to text as the engine's own server does, stop strings
-//!   included, for workers that answer with token ids only.
+//!   included, for workers that answer with token ids only; [`token_names`]: each token's text in
+//!   a response's `logprobs`, as each runtime's server shows it.
 //! - [`conversation`]: a request's messages, tools and template arguments as vLLM hands them over;
 //!   [`sglang`]: the same as SGLang hands them over ([`Rendering`] picks one).
 //! - [`pyjson`], [`strftime`]: Python's `json.dumps` and `strftime`, which templates call.
@@ -39,6 +40,7 @@ pub mod routed;
 pub mod sglang;
 pub mod strftime;
 pub mod template;
+pub mod token_names;
 
 use serde_json::Value;
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kvgate_tokenizer::detokenize::{SequenceText, StopRule};
+use kvgate_tokenizer::token_names::{NameStyle, TokenNames};
 use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer};
 use proptest::prelude::*;
 
@@ -174,4 +175,41 @@ fn bytes_that_never_form_a_character_show_only_when_flushed() {
         "SGLang's shows it replaced: {:?}",
         seq.text()
     );
+}
+
+/// Each token's logprobs name as each runtime's server shows it.
+fn token_names(style: NameStyle) -> TokenNames {
+    tokenizer().detokenizer(&[], false).expect("a HuggingFace tokenizer detokenizes").token_names(style)
+}
+
+#[test]
+fn vllm_names_a_split_character_by_the_token_that_completes_it() {
+    let text = "𠀋𠀋 ok";
+    let ids = ids(text);
+    assert!(ids.len() > 3, "the test needs a character split over tokens: {ids:?}");
+    let (vllm, sglang) = (token_names(NameStyle::Vllm), token_names(NameStyle::Sglang));
+    let vllm_names: Vec<String> =
+        (0..ids.len()).map(|i| vllm.name(ids[i], &ids[i.saturating_sub(4)..i]).unwrap()).collect();
+    assert_eq!(vllm_names.concat(), text, "{vllm_names:?}");
+    assert!(vllm_names.iter().any(String::is_empty), "an incomplete piece is named by nothing: {vllm_names:?}");
+    let sglang_names: Vec<String> = ids.iter().map(|&id| sglang.name(id, &[]).unwrap()).collect();
+    assert!(
+        sglang_names.iter().any(|n| n.contains('\u{FFFD}')),
+        "SGLang shows the pieces as they decode: {sglang_names:?}"
+    );
+    let fragment = ids.iter().zip(&sglang_names).find(|(_, n)| n.contains('\u{FFFD}')).unwrap();
+    let latin1 = sglang.completions_name(*fragment.0, fragment.1.clone());
+    assert!(
+        !latin1.contains('\u{FFFD}') && latin1.chars().all(|c| (c as u32) < 256),
+        "one character per byte: {latin1:?}"
+    );
+}
+
+proptest! {
+    #[test]
+    fn sglang_bytes_of_every_token_add_up_to_the_text(text in mixed_text()) {
+        let names = token_names(NameStyle::Sglang);
+        let bytes: Vec<u8> = ids(&text).iter().flat_map(|&id| names.bytes(id, &names.name(id, &[]).unwrap())).collect();
+        prop_assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    }
 }

@@ -1,6 +1,7 @@
 //! The backend for gRPC workers (SMG's worker protocol): the prompt goes as the token ids kvgate
 //! routed on, the worker's token ids come back and are detokenized, trimmed at stop strings and
-//! shaped into the OpenAI response here, streamed or whole.
+//! shaped into the OpenAI response here, streamed or whole, with the log probabilities the worker
+//! sends when they are asked (named as the runtime's own server names tokens, [`super::logprobs`]).
 //!
 //! A stop string the worker did not match itself (SGLang's servicer runs without a tokenizer) ends
 //! the response in the gateway, and the worker is told to abort the rest; so is a client that goes
@@ -15,15 +16,17 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use kvgate_tokenizer::detokenize::SequenceText;
+use kvgate_tokenizer::token_names::NameStyle;
 use serde_json::Value;
 use tonic::Code;
 
 use super::flight::{error_event, Flight, Outcome};
+use super::logprobs::SequenceLogprobs;
 use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
 use super::{Backend, Outgoing, SendFailure};
 use crate::engines;
 use crate::error::ApiError;
-use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream};
+use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream, TokenLogprobs};
 use crate::registry::EngineHandle;
 use crate::state::AppState;
 
@@ -59,15 +62,22 @@ struct Choice {
     finish: Option<Finish>,
     /// It ended at a stop string the gateway matched: the worker may still be generating it.
     cut_short: bool,
+    /// The tokens' log probabilities, when asked.
+    logprobs: Option<SequenceLogprobs>,
+    /// Characters of text a stream has sent (completions' logprobs count offsets from there).
+    sent_chars: usize,
+    /// The prompt, echoed before the text and not yet sent (completions' `echo`).
+    echo: Option<String>,
 }
 
 impl Choice {
     /// Adds a chunk's tokens, holding its last one back (see `held`). A stop string the worker
     /// does not match (SGLang's servicer has no tokenizer) ends the sequence here.
-    fn push_chunk(&mut self, ids: &[u32]) -> Result<(), ApiError> {
+    fn push_chunk(&mut self, ids: &[u32], logprobs: Option<&TokenLogprobs>) -> Result<(), ApiError> {
         if self.finish.is_some() {
             return Ok(()); // already cut at a stop string: the rest is not text
         }
+        self.push_logprobs(logprobs)?;
         let Some((&last, rest)) = ids.split_last() else { return Ok(()) };
         let mut run: Vec<u32> = self.held.take().into_iter().collect();
         run.extend_from_slice(rest);
@@ -82,21 +92,20 @@ impl Choice {
 
     /// Adds the end: the held token with how the worker stopped, or, when no chunk came (an answer
     /// that did not stream), the whole output.
-    fn push_end(
-        &mut self,
-        output_ids: &[u32],
-        finish_reason: &str,
-        matched: Option<&MatchedStop>,
-        flush_incomplete: bool,
-    ) -> Result<(), ApiError> {
+    fn push_end(&mut self, end: &End<'_>, flush_incomplete: bool) -> Result<(), ApiError> {
         if self.finish.is_some() {
             self.cut_short = false; // the worker is done with it too
             return Ok(());
         }
+        let (finish_reason, matched) = (end.finish_reason, end.matched);
         let on_token = stopped_on_token(finish_reason, matched);
         let ids: Vec<u32> = match self.held.take() {
             Some(last) => vec![last],
-            None if self.text.tokens() == 0 => output_ids.to_vec(),
+            None if self.text.tokens() == 0 => {
+                // No chunk came: the end carries the whole sequence, its logprobs included.
+                self.push_logprobs(end.logprobs)?;
+                end.output_ids.to_vec()
+            }
             None => Vec::new(),
         };
         self.text.push(&ids, on_token).map_err(|_| ApiError::Internal)?;
@@ -106,6 +115,56 @@ impl Choice {
         self.finish = Some(finish_of(&self.text, finish_reason, matched));
         Ok(())
     }
+
+    fn push_logprobs(&mut self, logprobs: Option<&TokenLogprobs>) -> Result<(), ApiError> {
+        match (&mut self.logprobs, logprobs) {
+            (Some(seq), Some(lp)) => seq.push(lp),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `logprobs` of the tokens the text holds that were not shown yet (JSON `null` when
+    /// not asked). A stream gives the characters it sent before them.
+    fn take_logprobs(&mut self, text_before: Option<usize>) -> Result<Value, ApiError> {
+        let kept = self.text.tokens();
+        match &mut self.logprobs {
+            Some(seq) => seq.take(kept, text_before),
+            None => Ok(Value::Null),
+        }
+    }
+
+    /// The stream's next chunk of this sequence: the text not sent yet (the echoed prompt first),
+    /// and with `finish` all the rest and how it ended. `None` while it has nothing to show.
+    fn next_chunk(
+        &mut self,
+        head: &ResponseHead,
+        index: u32,
+        finish: Option<&Finish>,
+    ) -> Result<Option<Value>, ApiError> {
+        // The echoed prompt comes with the first output, as vLLM's server sends it.
+        let delta = format!("{}{}", self.echo.take().unwrap_or_default(), self.text.take_delta(finish.is_some()));
+        // Tokens whose text is not out yet still show their logprobs, as vLLM's server shows
+        // each step's.
+        if finish.is_none() && delta.is_empty() && !self.logprobs_pending() {
+            return Ok(None);
+        }
+        let logprobs = self.take_logprobs(Some(self.sent_chars))?;
+        self.sent_chars += delta.chars().count();
+        Ok(Some(head.text_chunk(index, &delta, logprobs, finish)))
+    }
+
+    /// Whether tokens the text holds have logprobs not shown yet.
+    fn logprobs_pending(&self) -> bool {
+        self.logprobs.as_ref().is_some_and(|seq| seq.pending(self.text.tokens()))
+    }
+}
+
+/// A worker's end of one sequence.
+struct End<'a> {
+    output_ids: &'a [u32],
+    finish_reason: &'a str,
+    matched: Option<&'a MatchedStop>,
+    logprobs: Option<&'a TokenLogprobs>,
 }
 
 impl GrpcAnswer {
@@ -158,6 +217,13 @@ fn status_error(status: &tonic::Status) -> (ApiError, bool) {
         Code::Unavailable => (ApiError::UpstreamUnavailable, true),
         _ => (ApiError::UpstreamFailed, true),
     }
+}
+
+/// An error while reading a worker's answer, with whether it blames the worker (what it sent did
+/// not add up) or the gateway.
+fn blame(e: ApiError) -> (ApiError, bool) {
+    let blames = matches!(e, ApiError::UpstreamFailed);
+    (e, blames)
 }
 
 /// Tells the worker to stop a request, without waiting for its answer.
@@ -220,13 +286,30 @@ impl Backend for GrpcBackend {
             plan.sampling.max_tokens =
                 context.map(|c| u32::try_from(c.saturating_sub(prompt.len() as u64)).unwrap_or(u32::MAX));
         }
+        // The prompt as the client wrote it; token ids are decoded (special tokens skipped, as
+        // SGLang's server does).
+        let echo = if plan.echo { body.get("prompt").and_then(Value::as_str).map(str::to_owned) } else { None };
         let mut choices = Vec::with_capacity(plan.sampling.n as usize);
+        // Token names in logprobs follow the runtime's own server.
+        let style =
+            if worker.known_runtime() == Some(GrpcRuntime::Sglang) { NameStyle::Sglang } else { NameStyle::Vllm };
         for _ in 0..plan.sampling.n.max(1) {
             let Some(detokenizer) = state.tokenizer.detokenizer(prompt, plan.sampling.skip_special_tokens) else {
                 return Err(SendFailure::Final(ApiError::Internal));
             };
+            let logprobs = plan
+                .top_logprobs()
+                .map(|top| SequenceLogprobs::new(detokenizer.token_names(style), style, plan.endpoint, top));
+            let echo = match &echo {
+                Some(prompt) => Some(prompt.clone()),
+                None if plan.echo => Some(detokenizer.text_of(prompt, true).map_err(|e| {
+                    tracing::warn!(error = %e, "the prompt to echo could not be decoded");
+                    SendFailure::Final(ApiError::Internal)
+                })?),
+                None => None,
+            };
             let text = SequenceText::new(detokenizer, plan.stop.clone());
-            choices.push(Choice { text, held: None, finish: None, cut_short: false });
+            choices.push(Choice { text, held: None, finish: None, cut_short: false, logprobs, sent_chars: 0, echo });
         }
         let request_id = format!("kvgate-{}", flight.id.0);
         let generation = Generation {
@@ -358,9 +441,9 @@ async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<V
     let flush = answer.flush_incomplete;
     while let Some(piece) = answer.pieces.next().await {
         match piece {
-            Ok(Piece::Chunk { index, token_ids, cached_tokens, .. }) => {
+            Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, .. }) => {
                 usage.cached_tokens = u64::from(cached_tokens);
-                answer.choice(index).map_err(blamed)?.push_chunk(&token_ids).map_err(internal)?;
+                answer.choice(index).map_err(blamed)?.push_chunk(&token_ids, logprobs.as_ref()).map_err(blame)?;
             }
             Ok(Piece::Complete {
                 index,
@@ -369,11 +452,18 @@ async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<V
                 prompt_tokens,
                 cached_tokens,
                 matched_stop,
+                logprobs,
                 ..
             }) => {
                 let index = answer.whole_sequence_slot(index);
                 let choice = answer.choice(index).map_err(blamed)?;
-                choice.push_end(&output_ids, &finish_reason, matched_stop.as_ref(), flush).map_err(internal)?;
+                let end = End {
+                    output_ids: &output_ids,
+                    finish_reason: &finish_reason,
+                    matched: matched_stop.as_ref(),
+                    logprobs: logprobs.as_ref(),
+                };
+                choice.push_end(&end, flush).map_err(blame)?;
                 usage.prompt_tokens = u64::from(prompt_tokens).max(usage.prompt_tokens);
                 usage.cached_tokens = u64::from(cached_tokens);
             }
@@ -389,13 +479,13 @@ async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<V
             }
             usage.completion_tokens = answer.completion_tokens();
             flight.output_tokens = Some(usage.completion_tokens);
-            let choices: Vec<(String, Finish)> = answer
-                .choices
-                .iter()
-                .map(|c| {
-                    (c.text.text().to_owned(), c.finish.clone().unwrap_or_else(|| finish_of(&c.text, "stop", None)))
-                })
-                .collect();
+            let mut choices: Vec<(String, Value, Finish)> = Vec::with_capacity(answer.choices.len());
+            for c in &mut answer.choices {
+                let logprobs = c.take_logprobs(None).map_err(internal)?;
+                let finish = c.finish.clone().unwrap_or_else(|| finish_of(&c.text, "stop", None));
+                let text = format!("{}{}", c.echo.take().unwrap_or_default(), c.text.text());
+                choices.push((text, logprobs, finish));
+            }
             return Ok(answer.head.body(&choices, usage));
         }
     }
@@ -448,14 +538,14 @@ impl Streamer {
                 }
             }
             let index = match piece {
-                Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, .. })) => {
+                Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, .. })) => {
                     self.usage.cached_tokens = u64::from(cached_tokens);
                     if let Some(f) = self.flight.as_mut() {
                         f.first_byte(true);
                     }
                     let pushed = match self.answer.choice(index) {
                         Ok(choice) if choice.finish.is_some() => continue, // cut at a stop string already
-                        Ok(choice) => choice.push_chunk(&token_ids).map_err(|e| (e, false)),
+                        Ok(choice) => choice.push_chunk(&token_ids, logprobs.as_ref()).map_err(blame),
                         Err(e) => Err((e, true)),
                     };
                     if let Err((err, blames)) = pushed {
@@ -470,6 +560,7 @@ impl Streamer {
                     cached_tokens,
                     matched_stop,
                     output_ids,
+                    logprobs,
                     ..
                 })) => {
                     self.usage.prompt_tokens = u64::from(prompt_tokens).max(self.usage.prompt_tokens);
@@ -479,9 +570,15 @@ impl Streamer {
                             choice.cut_short = false;
                             continue; // its end was sent when the gateway cut it
                         }
-                        Ok(choice) => choice
-                            .push_end(&output_ids, &finish_reason, matched_stop.as_ref(), flush)
-                            .map_err(|e| (e, false)),
+                        Ok(choice) => {
+                            let end = End {
+                                output_ids: &output_ids,
+                                finish_reason: &finish_reason,
+                                matched: matched_stop.as_ref(),
+                                logprobs: logprobs.as_ref(),
+                            };
+                            choice.push_end(&end, flush).map_err(blame)
+                        }
                         Err(e) => Err((e, true)),
                     };
                     if let Err((err, blames)) = pushed {
@@ -498,27 +595,22 @@ impl Streamer {
             };
             let head = &self.answer.head;
             let choice = &mut self.answer.choices[index as usize];
-            match choice.finish.clone() {
-                // The sequence ended (at the worker's stop, or at a stop string the gateway matched):
-                // the rest of its text with how it ended.
-                Some(finish) => {
-                    let rest = choice.text.take_delta(true);
-                    out.push_str(&sse(&head.text_chunk(index, &rest, Some(&finish))));
-                    if self.answer.all_finished() {
-                        return Some(self.finish(out));
-                    }
-                    return Some(out);
+            let finish = choice.finish.clone();
+            match choice.next_chunk(head, index, finish.as_ref()) {
+                Ok(Some(chunk)) => out.push_str(&sse(&chunk)),
+                Ok(None) => {}
+                Err(e) => {
+                    let (e, blames) = blame(e);
+                    return Some(self.fail(out, e, blames));
                 }
-                None => {
-                    let delta = choice.text.take_delta(false);
-                    if !delta.is_empty() {
-                        out.push_str(&sse(&head.text_chunk(index, &delta, None)));
-                    }
-                    // Text, or the roles alone when the first token is not text yet.
-                    if !out.is_empty() {
-                        return Some(out);
-                    }
-                }
+            }
+            // A sequence that ended sent the rest of its text with how it ended.
+            if finish.is_some() && self.answer.all_finished() {
+                return Some(self.finish(out));
+            }
+            // Text, or the roles alone when the first token is not text yet.
+            if finish.is_some() || !out.is_empty() {
+                return Some(out);
             }
         }
     }

@@ -22,6 +22,7 @@
 mod flight;
 mod grpc;
 mod http;
+mod logprobs;
 mod openai;
 mod place;
 

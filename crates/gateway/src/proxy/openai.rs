@@ -48,6 +48,9 @@ const ACCEPTED: &[&str] = &[
     "structured_outputs",
 ];
 
+/// The most alternatives a request may ask for at each position (vLLM's default `max_logprobs`).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
 /// The most sequences one request may ask for: each is a sequence in the worker's batch.
 pub const MAX_N: u32 = 128;
 
@@ -61,6 +64,7 @@ const CHAT_ONLY: &[&str] = &[
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "top_logprobs",
 ];
 
 /// Completions-only fields.
@@ -81,6 +85,15 @@ pub struct Plan {
     pub include_usage: bool,
     /// Whether `max_tokens` was left to the context length (chat without a limit).
     pub max_tokens_from_context: bool,
+    /// Completions' `echo`: each choice's text starts with the prompt.
+    pub echo: bool,
+}
+
+impl Plan {
+    /// Alternatives per token the response shows, when logprobs were asked.
+    pub fn top_logprobs(&self) -> Option<u32> {
+        self.sampling.logprobs
+    }
 }
 
 fn number(body: &Value, key: &str) -> Result<Option<f64>, ApiError> {
@@ -189,6 +202,31 @@ fn structured_outputs(outputs: &Value) -> Result<Option<Constraint>, ApiError> {
     }
 }
 
+/// How many alternatives per output token the request asks log probabilities for (`None`: no
+/// logprobs): chat's `logprobs` and `top_logprobs`, completions' `logprobs`, checked as vLLM's
+/// server checks them.
+fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, ApiError> {
+    let within = |key: &str, k: i64| {
+        u32::try_from(k).ok().filter(|&k| i64::from(k) <= MAX_TOP_LOGPROBS).ok_or_else(|| {
+            ApiError::invalid(key, format!("`{key}` must be from 0 to {MAX_TOP_LOGPROBS} with gRPC workers"))
+        })
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let asked = flag(body, "logprobs", false)?;
+            let top = integer(body, "top_logprobs")?;
+            match (asked, top) {
+                (false, Some(k)) if k != 0 => {
+                    Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`".to_owned()))
+                }
+                (false, _) => Ok(None),
+                (true, top) => within("top_logprobs", top.unwrap_or(0)).map(Some),
+            }
+        }
+        _ => integer(body, "logprobs")?.map(|k| within("logprobs", k)).transpose(),
+    }
+}
+
 fn unsupported(key: &str, why: &str) -> ApiError {
     ApiError::invalid(key, format!("`{key}` {why} is not supported with gRPC workers yet"))
 }
@@ -234,15 +272,14 @@ impl Plan {
             // as content, which a client asking for tools does not expect.
             return Err(unsupported("tools", "(tool calls are not parsed yet; `tool_choice: \"none\"` works)"));
         }
-        let logprobs_asked = match endpoint {
-            Endpoint::Chat => flag(body, "logprobs", false)?,
-            _ => body.get("logprobs").is_some_and(|v| !v.is_null()),
-        };
-        if logprobs_asked {
-            return Err(unsupported("logprobs", ""));
+        let logprobs = logprobs(endpoint, body)?;
+        let echo = flag(body, "echo", false)?;
+        if echo && endpoint == Endpoint::Chat {
+            return Err(unsupported("echo", "in chat completions"));
         }
-        if flag(body, "echo", false)? {
-            return Err(unsupported("echo", ""));
+        if echo && logprobs.is_some() {
+            // The prompt's own log probabilities would be needed (SGLang's server refuses the pair too).
+            return Err(unsupported("echo", "with `logprobs`"));
         }
         let n = integer(body, "n")?.unwrap_or(1);
         let n = u32::try_from(n)
@@ -306,6 +343,7 @@ impl Plan {
             seed,
             logit_bias,
             constraint,
+            logprobs,
         };
         let include_usage =
             body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
@@ -313,6 +351,7 @@ impl Plan {
             endpoint,
             model: body.get("model").and_then(Value::as_str).unwrap_or(model).to_owned(),
             max_tokens_from_context: max_tokens.is_none(),
+            echo,
             sampling,
             stop: StopRule { stop, include_stop_str_in_output: include_stop, min_tokens: min_tokens as usize },
             include_usage,
@@ -391,8 +430,9 @@ impl ResponseHead {
         ))
     }
 
-    /// A chunk of new text of choice `index` (and, on its last one, how the sequence ended).
-    pub fn text_chunk(&self, index: u32, text: &str, finish: Option<&Finish>) -> Value {
+    /// A chunk of new text of choice `index` with its tokens' `logprobs` (JSON `null` when not
+    /// asked), and, on its last one, how the sequence ended.
+    pub fn text_chunk(&self, index: u32, text: &str, logprobs: Value, finish: Option<&Finish>) -> Value {
         let (finish_reason, stop_reason) = match finish {
             Some(f) => (Value::from(f.reason.clone()), f.stop_reason.clone()),
             None => (Value::Null, Value::Null),
@@ -400,10 +440,10 @@ impl ResponseHead {
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 let delta = if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason})
             }
             _ => {
-                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason})
             }
         };
         Value::Object(self.with(true, json!([choice])))
@@ -416,24 +456,24 @@ impl ResponseHead {
         Value::Object(m)
     }
 
-    /// The whole response of a request that did not stream: each choice's text and how it ended,
-    /// in index order.
-    pub fn body(&self, choices: &[(String, Finish)], usage: Usage) -> Value {
+    /// The whole response of a request that did not stream: each choice's text, its tokens'
+    /// `logprobs` (JSON `null` when not asked) and how it ended, in index order.
+    pub fn body(&self, choices: &[(String, Value, Finish)], usage: Usage) -> Value {
         let choices: Vec<Value> = choices
             .iter()
             .enumerate()
-            .map(|(index, (text, finish))| match self.endpoint {
+            .map(|(index, (text, logprobs, finish))| match self.endpoint {
                 Endpoint::Chat => json!({
                     "index": index,
                     "message": {"role": "assistant", "content": text, "tool_calls": []},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish.reason,
                     "stop_reason": finish.stop_reason,
                 }),
                 _ => json!({
                     "index": index,
                     "text": text,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish.reason,
                     "stop_reason": finish.stop_reason,
                 }),
@@ -493,8 +533,15 @@ mod tests {
         // Bookkeeping fields change nothing the worker generates: taken, not refused.
         let benign = json!({"messages": [], "metadata": {"a": "b"}, "store": false, "service_tier": "auto"});
         assert!(Plan::from_request(Endpoint::Chat, &benign, "m").is_ok());
-        assert!(err(Endpoint::Chat, json!({"messages": [], "logprobs": true})).contains("`logprobs`"));
-        assert!(err(Endpoint::Completions, json!({"prompt": "x", "logprobs": 2})).contains("`logprobs`"));
+        assert!(
+            err(Endpoint::Completions, json!({"prompt": "x", "logprobs": 21})).contains("`logprobs` must be from 0")
+        );
+        assert!(err(Endpoint::Completions, json!({"prompt": "x", "logprobs": -1})).contains("`logprobs`"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "top_logprobs": 2})).contains("needs `logprobs: true`"));
+        assert!(err(Endpoint::Completions, json!({"prompt": "x", "top_logprobs": 2})).contains("`top_logprobs`"));
+        assert!(err(Endpoint::Completions, json!({"prompt": "x", "echo": true, "logprobs": 1})).contains("`echo`"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "echo": true})).contains("`echo`"));
+        assert!(Plan::from_request(Endpoint::Completions, &json!({"prompt": "x", "echo": true}), "m").unwrap().echo);
         assert!(err(Endpoint::Completions, json!({"prompt": "x", "messages": []})).contains("`messages`"));
         assert!(err(Endpoint::Chat, json!({"messages": [], "tools": [{}]})).contains("tool"));
         assert!(err(Endpoint::Embeddings, json!({"input": "x"})).contains("/v1/embeddings"));
@@ -504,6 +551,18 @@ mod tests {
             "m"
         )
         .is_ok());
+    }
+
+    #[test]
+    fn logprobs_are_asked_as_vllms_server_reads_them() {
+        let top = |endpoint, body: Value| Plan::from_request(endpoint, &body, "m").unwrap().top_logprobs();
+        assert_eq!(top(Endpoint::Chat, json!({"messages": []})), None);
+        assert_eq!(top(Endpoint::Chat, json!({"messages": [], "logprobs": true})), Some(0));
+        assert_eq!(top(Endpoint::Chat, json!({"messages": [], "logprobs": true, "top_logprobs": 3})), Some(3));
+        assert_eq!(top(Endpoint::Chat, json!({"messages": [], "logprobs": false, "top_logprobs": 0})), None);
+        assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": 0})), Some(0));
+        assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": 5})), Some(5));
+        assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": null})), None);
     }
 
     #[test]
@@ -536,11 +595,11 @@ mod tests {
         assert_eq!(head.role_chunk(1)["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(head.role_chunk(1)["choices"][0]["index"], 1);
         let stop = Finish { reason: "stop".into(), stop_reason: Value::from("\n") };
-        let last = head.text_chunk(0, "", Some(&stop));
+        let last = head.text_chunk(0, "", Value::Null, Some(&stop));
         assert_eq!(last["choices"][0]["finish_reason"], "stop");
         assert_eq!(last["choices"][0]["delta"], json!({}));
         let usage = Usage { prompt_tokens: 3, completion_tokens: 4, cached_tokens: 2 };
-        let body = head.body(&[("hello".into(), stop.clone()), ("bye".into(), stop)], usage);
+        let body = head.body(&[("hello".into(), Value::Null, stop.clone()), ("bye".into(), Value::Null, stop)], usage);
         assert_eq!(body["object"], "chat.completion");
         assert_eq!(body["choices"][0]["message"]["content"], "hello");
         assert_eq!(

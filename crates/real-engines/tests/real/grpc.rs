@@ -12,9 +12,67 @@ use kvgate_real_engines::fleet::{Fleet, Runtime, MODEL};
 use kvgate_real_engines::gateway::{cached_tokens, http, post, test_overrides, Gateway};
 use serde_json::{json, Value};
 
-/// What parity compares: each choice's text and finish reason, by index, and the prompt and
-/// completion token counts.
-type Outcome = (Vec<(String, String)>, u64, u64);
+/// What parity compares: each choice's text and finish reason, by index, the prompt and
+/// completion token counts, and each choice's logprobs when asked.
+type Outcome = (Vec<(String, String)>, u64, u64, Vec<Vec<Shown>>);
+
+/// One token's logprobs as a response shows it: its name, its `bytes` (chat's; null in
+/// completions), its log probability and its alternatives (name and log probability, by name).
+type Shown = (String, Value, f64, Vec<(String, f64)>);
+
+/// Log probabilities may differ in the last bits between two processes' runs of the same model.
+const LOGPROB_TOLERANCE: f64 = 1e-3;
+
+/// Whether two outcomes agree: all exactly, but log probabilities within the tolerance.
+fn agree(a: &Outcome, b: &Outcome) -> bool {
+    let near = |x: f64, y: f64| (x - y).abs() <= LOGPROB_TOLERANCE;
+    let same_shown = |x: &Shown, y: &Shown| {
+        x.0 == y.0
+            && x.1 == y.1
+            && near(x.2, y.2)
+            && x.3.len() == y.3.len()
+            && x.3.iter().zip(&y.3).all(|(p, q)| p.0 == q.0 && near(p.1, q.1))
+    };
+    (&a.0, a.1, a.2) == (&b.0, b.1, b.2)
+        && a.3.len() == b.3.len()
+        && a.3.iter().zip(&b.3).all(|(p, q)| p.len() == q.len() && p.iter().zip(q).all(|(x, y)| same_shown(x, y)))
+}
+
+/// The tokens a choice's `logprobs` shows (chat's `content` list, or completions' parallel
+/// lists), in order.
+fn shown(logprobs: &Value) -> Vec<Shown> {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    if let Some(content) = logprobs["content"].as_array() {
+        return content
+            .iter()
+            .map(|t| {
+                let mut top: Vec<(String, f64)> = t["top_logprobs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|a| (a["token"].as_str().unwrap_or_default().to_owned(), f(&a["logprob"])))
+                    .collect();
+                top.sort_by(|a, b| a.0.cmp(&b.0));
+                (t["token"].as_str().unwrap_or_default().to_owned(), t["bytes"].clone(), f(&t["logprob"]), top)
+            })
+            .collect();
+    }
+    let tokens = logprobs["tokens"].as_array().cloned().unwrap_or_default();
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| {
+            let mut top: Vec<(String, f64)> = logprobs["top_logprobs"][i]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(name, lp)| (name.clone(), f(lp)))
+                .collect();
+            top.sort_by(|a, b| a.0.cmp(&b.0));
+            (token.as_str().unwrap_or_default().to_owned(), Value::Null, f(&logprobs["token_logprobs"][i]), top)
+        })
+        .collect()
+}
 
 /// Sends `body` to `base` and reads the outcome, from a whole body or from a stream's chunks.
 async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome> {
@@ -30,12 +88,13 @@ async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome
         }
         Ok(i)
     };
-    let mut seen: Vec<(usize, String, Option<String>)> = Vec::new();
+    let mut seen: Vec<(usize, String, Option<String>, Vec<Shown>)> = Vec::new();
     let usage = if body["stream"] != true {
         let v: Value = serde_json::from_str(&raw).with_context(|| raw.clone())?;
         for c in v["choices"].as_array().into_iter().flatten() {
             let text = c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
-            seen.push((at(&c["index"])?, text.to_owned(), c["finish_reason"].as_str().map(str::to_owned)));
+            let finish = c["finish_reason"].as_str().map(str::to_owned);
+            seen.push((at(&c["index"])?, text.to_owned(), finish, shown(&c["logprobs"])));
         }
         v["usage"].clone()
     } else {
@@ -50,19 +109,24 @@ async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome
             }
             for c in v["choices"].as_array().into_iter().flatten() {
                 let text = c["delta"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default();
-                seen.push((at(&c["index"])?, text.to_owned(), c["finish_reason"].as_str().map(str::to_owned)));
+                let finish = c["finish_reason"].as_str().map(str::to_owned);
+                seen.push((at(&c["index"])?, text.to_owned(), finish, shown(&c["logprobs"])));
             }
         }
         ensure!(raw.ends_with("data: [DONE]\n\n"), "{base}{path}: the stream did not end with [DONE]: {raw}");
         usage
     };
-    for (i, text, finish) in seen {
+    let mut logprobs: Vec<Vec<Shown>> = vec![Vec::new(); choices.len()];
+    for (i, text, finish, shown) in seen {
         choices[i].0.push_str(&text);
         if let Some(f) = finish {
             choices[i].1 = f;
         }
+        logprobs[i].extend(shown);
     }
-    Ok((choices, usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0)))
+    let (prompt, completion) =
+        (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0));
+    Ok((choices, prompt, completion, logprobs))
 }
 
 /// The parity cases: chat and completions, whole and streamed, with stop strings, output limits,
@@ -114,6 +178,13 @@ fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
                                    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                     "age": {"type": "integer"}}, "required": ["name", "age"]}}}}))),
             (chat, with(json!({"messages": [{"role": "user", "content": "Count: one two"}], "max_tokens": 24, "stop": [" ", "e"], "include_stop_str_in_output": true}))),
+            // Logprobs, over characters split across tokens, with alternatives and without, cut
+            // at a stop string, and ended by the end-of-sequence token.
+            (chat, with(json!({"messages": [{"role": "user", "content": "列出三种水果"}], "max_tokens": 24, "logprobs": true, "top_logprobs": 3}))),
+            (chat, with(json!({"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12, "logprobs": true}))),
+            (completions, with(json!({"prompt": "你好，世界。今天", "max_tokens": 20, "logprobs": 2}))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 0, "stop": ["e"]}))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 8, "echo": true}))),
         ]);
     }
     out
@@ -145,7 +216,13 @@ pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fle
     for (path, body) in &all {
         let engine = outcome(&own.url(), path, body).await.map_err(|e| format!("{e:#}"));
         let through = outcome(&gw.url, path, body).await.map_err(|e| format!("{e:#}"));
-        if engine.is_err() || engine != through {
+        let equal = matches!((&engine, &through), (Ok(a), Ok(b)) if agree(a, b));
+        // A case asking for logprobs compares them, so the engine must have shown some.
+        let asked = body.get("logprobs").is_some_and(|l| l != false);
+        if asked && engine.as_ref().is_ok_and(|e| e.3.iter().any(Vec::is_empty)) {
+            differ.push(format!("{path} {body}\n    the engine's own server showed no logprobs: {engine:?}"));
+        }
+        if !equal {
             let seen =
                 if through.is_err() { format!("\n    the worker: {}", gw.worker("g").await?) } else { String::new() };
             differ.push(format!("{path} {body}\n    engine: {engine:?}\n    kvgate: {through:?}{seen}"));

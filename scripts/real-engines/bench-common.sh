@@ -3,7 +3,10 @@
 #
 # The sourcing script sets: engines, kv_tokens, runtime (vllm|sglang), work (its directory under
 # target/), pace (an engine profile, or `off`), pace_scale, and optionally kvgate_toml (the body of
-# kvgate's configuration file). It gets: kvgate, model, rates (the worker options kvgate is given),
+# kvgate's configuration file) and transport (`http`, the default, or `grpc`: the engines serve SMG's
+# gRPC worker protocol and both routers reach them over it, as the incident's fleet did; such
+# engines serve no /metrics, so fleet_cache prints nothing to read and the callers read the engines
+# otherwise). It gets: kvgate, model, rates (the worker options kvgate is given),
 # run_dir, base, router_port, pace_label, the engines' metric names (cached_metric, prompt_metric,
 # waiting_metric, running_metric, finished_metric), and the functions engine_port, start_fleet,
 # start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished, sample_queues
@@ -24,11 +27,7 @@ run_dir="$work/run"
 model="$PWD/target/real-engines/model"
 mkdir -p "$work"
 
-scripts/real-engines/setup.sh
-if [ ! -x target/smg-venv/bin/smg ]; then
-  python3 -m venv target/smg-venv
-  target/smg-venv/bin/pip install --quiet --disable-pip-version-check "smg==1.13.0"
-fi
+scripts/real-engines/setup.sh  # SMG included (install-smg.sh)
 cargo build --release -p kvgate --quiet
 kvgate=target/release/kvgate
 if [ "$pace" = off ]; then
@@ -62,7 +61,8 @@ trap stop_all EXIT
 start_fleet() {
   for i in $(seq 0 $((engines - 1))); do
     p=$(engine_port "$i")
-    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" "$runtime"
+    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" \
+      "$runtime" "${transport:-http}"
   done
   for i in $(seq 0 $((engines - 1))); do
     scripts/real-engines/engine.sh wait "e$i" "$(engine_port "$i")" 300 "$run_dir"
@@ -72,10 +72,19 @@ start_fleet() {
 start_router() {
   local cfg="$1" log="$2"
   local urls=() workers=()
+  local smg_grpc=()
   for i in $(seq 0 $((engines - 1))); do
     p=$(engine_port "$i")
-    urls+=("http://127.0.0.1:$p")
-    workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),$rates")
+    if [ "${transport:-http}" = grpc ]; then
+      # As an SMG user writes them: the URL alone (runtime, KV events and load come over the worker's
+      # own protocol). SMG in gRPC mode needs the model's tokenizer and the engines' block size.
+      urls+=("grpc://127.0.0.1:$p")
+      workers+=(--worker "grpc://127.0.0.1:$p,id=e$i,$rates")
+      smg_grpc=(--block-size 32 --model-path "$model" --tokenizer-path "$model")
+    else
+      urls+=("http://127.0.0.1:$p")
+      workers+=(--worker "http://127.0.0.1:$p,id=e$i,engine=$runtime,kv_events=:$((p + 1)),replay=:$((p + 2)),$rates")
+    fi
   done
   case "$cfg" in
     kvgate-*)
@@ -86,7 +95,7 @@ start_router() {
       ;;
     smg-*)
       target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
-        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" --log-level warn > "$log" 2>&1 &
+        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" "${smg_grpc[@]}" --log-level warn > "$log" 2>&1 &
       ;;
     *) echo "$0: unknown config $cfg" >&2; exit 2 ;;
   esac
@@ -102,8 +111,10 @@ start_router() {
   exit 1
 }
 
-# The fleet's prefix-cache hits and lookups so far, by the engines' own counters: "HITS QUERIES".
+# The fleet's prefix-cache hits and lookups so far, by the engines' own counters: "HITS QUERIES"
+# ("0 0" for gRPC workers, which serve no /metrics).
 fleet_cache() {
+  if [ "${transport:-http}" = grpc ]; then echo "0 0"; return; fi
   python3 - "$engines" "$base" "$cached_metric" "$prompt_metric" <<'PY'
 import sys, urllib.request
 n, base, cached, prompt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

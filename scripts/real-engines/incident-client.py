@@ -2,8 +2,13 @@
 so that one engine owns it, then bursts of requests that share it, from many clients at once.
 
 Prints one JSON object: time to first token and end-to-end percentiles over every burst request, the
-share of requests each engine served and its peak waiting queue (sampled from the engine's own
-/metrics every 100 ms), the owner, and failures. Only the standard library: any python3 runs it.
+share of requests each engine served and its peak waiting queue (sampled from the engine itself every
+100 ms), the engines' prefix-cache hit rate as their responses report it, the owner, and failures.
+
+Engines serving HTTP are read from their own /metrics; only the standard library is needed then. gRPC
+workers (SMG's protocol: `--transport grpc`) serve no /metrics: their queues come from their own
+`GetLoads` (the client then needs `grpcio` and `smg-grpc-proto`, as the engines' venvs have them), and
+the requests each served from its servicer's log, which names every request it receives.
 """
 
 import argparse
@@ -24,6 +29,57 @@ def text(rng, words):
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+class HttpEngines:
+    """Engines read from their own /metrics."""
+
+    def __init__(self, ports, waiting, running, finished):
+        self.ports, self.waiting_name, self.running_name, self.finished_name = ports, waiting, running, finished
+
+    def waiting(self, i):
+        return metric(self.ports[i], self.waiting_name)
+
+    def running(self, i):
+        return metric(self.ports[i], self.running_name)
+
+    def finished(self, i):
+        return metric(self.ports[i], self.finished_name)
+
+
+# What a gRPC worker's servicer logs for each request it receives (smg-grpc-servicer 0.14.1).
+RECEIVED = {"vllm": "Generate request ", "sglang": "Receive generation request: "}
+
+
+class GrpcEngines:
+    """gRPC workers: queues from `GetLoads`, requests received from their servicers' logs."""
+
+    def __init__(self, ports, runtime, logs):
+        import grpc  # only gRPC runs need them: the engines' venvs have both
+        from smg_grpc_proto.generated import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        pb, stub = {
+            "vllm": (vllm_engine_pb2, vllm_engine_pb2_grpc.VllmEngineStub),
+            "sglang": (sglang_scheduler_pb2, sglang_scheduler_pb2_grpc.SglangSchedulerStub),
+        }[runtime]
+        self.request = pb.GetLoadsRequest()
+        self.stubs = [stub(grpc.insecure_channel(f"127.0.0.1:{p}")) for p in ports]
+        self.logs, self.marker = logs, RECEIVED[runtime]
+
+    def loads(self, i):
+        return self.stubs[i].GetLoads(self.request, timeout=5).loads
+
+    def waiting(self, i):
+        return float(sum(rank.num_waiting_reqs for rank in self.loads(i)))
+
+    def running(self, i):
+        return float(sum(rank.num_running_reqs for rank in self.loads(i)))
+
+    def finished(self, i):
+        # Received, not finished: read once the engines are idle, the two are the same.
+        with open(self.logs[i], errors="replace") as log:
+            return float(sum(self.marker in line for line in log))
+
+
 def metric(port, name):
     """Sum of a metric's series on one engine."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -34,8 +90,11 @@ def metric(port, name):
     return total
 
 
-def send(router, prompt, max_tokens, stream):
+def send(router, prompt, max_tokens, stream, usage=None):
+    """Time to the first event and to the end; the usage the last event carries goes to `usage`."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     request = urllib.request.Request(
         f"{router}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -45,6 +104,10 @@ def send(router, prompt, max_tokens, stream):
         for line in response:
             if first is None and line.startswith(b"data:"):
                 first = time.perf_counter() - started
+            if usage is not None and line.startswith(b"data: {") and b'"usage"' in line:
+                got = json.loads(line[6:]).get("usage")
+                if got:
+                    usage.update(got)
     return first, time.perf_counter() - started
 
 
@@ -57,9 +120,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", required=True)
     ap.add_argument("--ports", required=True, help="engine ports, comma-separated")
-    ap.add_argument("--waiting", required=True, help="the engines' waiting-queue gauge")
-    ap.add_argument("--running", required=True, help="the engines' running-requests gauge")
-    ap.add_argument("--finished", required=True, help="the engines' finished-requests counter")
+    ap.add_argument("--waiting", help="the engines' waiting-queue gauge (HTTP)")
+    ap.add_argument("--running", help="the engines' running-requests gauge (HTTP)")
+    ap.add_argument("--finished", help="the engines' finished-requests counter (HTTP)")
+    ap.add_argument("--transport", choices=["http", "grpc"], default="http")
+    ap.add_argument("--runtime", choices=["vllm", "sglang"], default="vllm", help="the gRPC workers' runtime")
+    ap.add_argument("--logs", help="the gRPC workers' logs, comma-separated, in --ports order")
     ap.add_argument("--prefix-words", type=int, default=700)
     ap.add_argument("--question-words", type=int, default=250)
     ap.add_argument("--output", type=int, default=128)
@@ -69,14 +135,18 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     ports = [int(p) for p in a.ports.split(",")]
+    if a.transport == "grpc":
+        engines = GrpcEngines(ports, a.runtime, a.logs.split(","))
+    else:
+        engines = HttpEngines(ports, a.waiting, a.running, a.finished)
     rng = random.Random(a.seed)
     prefix = "[hot system prompt] " + text(rng, a.prefix_words) + "\n"
 
     def finished():
-        return [metric(p, a.finished) for p in ports]
+        return [engines.finished(i) for i in range(len(ports))]
 
     def busy():
-        return sum(metric(p, a.waiting) + metric(p, a.running) for p in ports)
+        return sum(engines.waiting(i) + engines.running(i) for i in range(len(ports)))
 
     def settle():
         deadline = time.time() + 600
@@ -96,6 +166,7 @@ def main():
     served = [0] * len(ports)
     peak = [0.0] * len(ports)
     owner_shares = []
+    prompt_tokens = cached_tokens = 0
     for burst in range(a.bursts):
         questions = [text(rng, a.question_words) for _ in range(a.per_burst)]
         before = finished()
@@ -103,10 +174,10 @@ def main():
 
         def sample():
             while sampling:
-                for i, p in enumerate(ports):
+                for i in range(len(ports)):
                     try:
-                        peak[i] = max(peak[i], metric(p, a.waiting))
-                    except OSError:
+                        peak[i] = max(peak[i], engines.waiting(i))
+                    except Exception:  # a missed sample only
                         pass
                 time.sleep(0.1)
 
@@ -115,12 +186,16 @@ def main():
         lock = threading.Lock()
 
         def client(k):
+            nonlocal prompt_tokens, cached_tokens
             for j in range(k, a.per_burst, a.clients):
                 try:
-                    first, whole = send(a.router, prefix + f"question {burst}.{j}: " + questions[j], a.output, True)
+                    usage = {}
+                    first, whole = send(a.router, prefix + f"question {burst}.{j}: " + questions[j], a.output, True, usage)
                     with lock:
                         ttft.append(first)
                         e2e.append(whole)
+                        prompt_tokens += usage.get("prompt_tokens", 0)
+                        cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 except Exception as err:  # every failure is counted and reported
                     with lock:
                         failures.append(str(err))
@@ -155,6 +230,7 @@ def main():
                 "owner_share": round(statistics.mean(owner_shares), 3),
                 "shares": [round(s / total, 3) for s in served],
                 "peak_waiting": peak,
+                "reported_hit_rate": round(cached_tokens / prompt_tokens, 3) if prompt_tokens else None,
             }
         )
     )

@@ -12,7 +12,9 @@
 #   REPEATS  rounds over the configs, each round in a rotated order (default 2)
 #   CONFIGS  comma-separated from kvgate-enforce, kvgate-off, kvgate-shadow, smg-cache_aware,
 #            smg-round_robin (default: kvgate-enforce,kvgate-off,smg-cache_aware)
-# Env: RUNTIME (vllm|sglang), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4),
+# Env: RUNTIME (vllm|sglang), TRANSPORT (http, or grpc: the engines run as gRPC workers, SMG's
+# protocol, as the incident's fleet did; their hit rate is then the one their responses report, and
+# each one's share is counted from its servicer's log), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4),
 # PREFIX_WORDS (700, about 1,500 tokens), QUESTION_WORDS (250), OUTPUT (128 tokens), CLIENTS (16),
 # PER_BURST (48), BURSTS (6).
 set -euo pipefail
@@ -24,12 +26,21 @@ kv_tokens="${KV_TOKENS:-8192}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
 pace_scale="${PACE_SCALE:-4}"
+transport="${TRANSPORT:-http}"
 work=target/real-engines/incident-$runtime
+[ "$transport" = grpc ] && work="$work-grpc"
 # The burst's requests ask for OUTPUT tokens each: kvgate assumes as much of a running request.
 kvgate_toml=$(printf '[telemetry]\npoll_interval_ms = 200\nassumed_decode_tokens = %s' "${OUTPUT:-128}")
 source scripts/real-engines/bench-common.sh
 gauges=(--waiting "$waiting_metric" --running "$running_metric" --finished "$finished_metric")
 ports=$(for i in $(seq 0 $((engines - 1))); do engine_port "$i"; done | paste -sd,)
+client_python=python3
+if [ "$transport" = grpc ]; then
+  # GetLoads needs grpcio and the protocol's stubs, which the vLLM venv has (for either runtime).
+  client_python=target/real-engines/venv/bin/python
+  logs=$(for i in $(seq 0 $((engines - 1))); do echo "$run_dir/e$i.log"; done | paste -sd,)
+  gauges=(--transport grpc --runtime "$runtime" --logs "$logs")
+fi
 
 results="$work/results.jsonl"
 : > "$results"
@@ -37,7 +48,7 @@ results="$work/results.jsonl"
 bursts_once() {
   local cfg="$1" rep="$2"
   read -r hits0 queries0 < <(fleet_cache)
-  outcome=$(python3 scripts/real-engines/incident-client.py --router "http://127.0.0.1:$router_port" --ports "$ports" \
+  outcome=$("$client_python" scripts/real-engines/incident-client.py --router "http://127.0.0.1:$router_port" --ports "$ports" \
     "${gauges[@]}" --prefix-words "${PREFIX_WORDS:-700}" --question-words "${QUESTION_WORDS:-250}" \
     --output "${OUTPUT:-128}" --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" --seed "$rep")
   read -r hits1 queries1 < <(fleet_cache)
@@ -61,7 +72,9 @@ for r in runs:
     if r["config"] not in order:
         order.append(r["config"])
 b = runs[0]
-print(f"the incident on {engines} real {runtime} engines ({kv} KV tokens each, {pace}), fresh fleet per run; "
+transport = "gRPC workers" if runs and runs[0]["engine_hit_rate"] is None else "engines"
+hit = lambda r: r["engine_hit_rate"] if r["engine_hit_rate"] is not None else r["reported_hit_rate"]
+print(f"the incident on {engines} real {runtime} {transport} ({kv} KV tokens each, {pace}), fresh fleet per run; "
       f"mean of {len(runs) // max(1, len(order))} interleaved runs of {b['requests']} burst requests\n")
 print("| router | TTFT p50 / p90 / p99 (ms) | end-to-end p50 (ms) | owner's share | busiest peak queue | failures | engine hit rate |")
 print("|---|---|---|---|---|---|---|")
@@ -71,7 +84,7 @@ for c in order:
     t = lambda p: mean(r["ttft_ms"][p] for r in rs)
     print(f"| {c} | {t('p50'):.0f} / {t('p90'):.0f} / {t('p99'):.0f} | {mean(r['e2e_ms']['p50'] for r in rs):.0f} | "
           f"{mean(r['owner_share'] for r in rs):.2f} | {mean(max(r['peak_waiting']) for r in rs):.0f} | "
-          f"{sum(r['failures'] for r in rs)} | {mean(r['engine_hit_rate'] for r in rs):.3f} |")
+          f"{sum(r['failures'] for r in rs)} | {mean(hit(r) for r in rs):.3f} |")
 print("\nEach run (shares by engine, the owner first):\n")
 print("| router | round | TTFT p50 / p90 / p99 | shares | peak waiting | hit rate |")
 print("|---|---|---|---|---|---|")
@@ -80,5 +93,5 @@ for r in runs:
     shares = [r["shares"][o]] + [s for i, s in enumerate(r["shares"]) if i != o]
     peaks = [r["peak_waiting"][o]] + [s for i, s in enumerate(r["peak_waiting"]) if i != o]
     print(f"| {r['config']} | {r['round']} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
-          f"{' '.join(f'{s:.2f}' for s in shares)} | {' '.join(f'{p:.0f}' for p in peaks)} | {r['engine_hit_rate']:.3f} |")
+          f"{' '.join(f'{s:.2f}' for s in shares)} | {' '.join(f'{p:.0f}' for p in peaks)} | {hit(r):.3f} |")
 PY

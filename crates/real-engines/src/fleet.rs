@@ -121,12 +121,18 @@ pub fn stand_in_call_log(run_dir: &Path) -> PathBuf {
     run_dir.join("sgl_kernel-calls.log")
 }
 
-/// Fails with what to run when a runtime's venv or the model is missing.
+/// SMG 1.13's launcher (`scripts/real-engines/install-smg.sh`), which trials compare kvgate with.
+pub fn smg_binary() -> PathBuf {
+    repo_root().join("target/smg-venv/bin/smg")
+}
+
+/// Fails with what to run when a runtime's venv, SMG or the model is missing.
 pub fn check_prerequisites(runtimes: &[Runtime]) -> anyhow::Result<()> {
     let model = model_dir().join("config.json");
     let mut needed: Vec<(PathBuf, String)> =
         runtimes.iter().map(|r| (r.venv().join("bin/python"), format!("the {r} virtual environment"))).collect();
     needed.push((model, "the tiny model".into()));
+    needed.push((smg_binary(), "SMG 1.13".into()));
     for (path, what) in needed {
         if !path.exists() {
             bail!(

@@ -40,6 +40,7 @@ mod real {
     pub mod responses;
     pub mod restart;
     pub mod routing;
+    pub mod smg;
     pub mod stand_in;
     pub mod streaming;
 }
@@ -99,6 +100,7 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
     list.extend(trials![
         real::grpc::a_grpc_worker_answers_as_the_engines_own_server_does,
         real::grpc::a_grpc_workers_events_earn_credit_and_a_gone_client_aborts_its_request,
+        real::smg::smg_in_grpc_mode_answers_as_kvgate_does_but_where_it_departs_from_the_engine,
     ]);
     list.extend(trials![real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero]);
     if runtime == Runtime::Sglang {

@@ -14,17 +14,17 @@ use serde_json::{json, Value};
 
 /// What parity compares: each choice's text and finish reason, by index, the prompt and
 /// completion token counts, and each choice's logprobs when asked.
-type Outcome = (Vec<(String, String)>, u64, u64, Vec<Vec<Shown>>);
+pub type Outcome = (Vec<(String, String)>, u64, u64, Vec<Vec<Shown>>);
 
 /// One token's logprobs as a response shows it: its name, its `bytes` (chat's; null in
 /// completions), its log probability and its alternatives (name and log probability, by name).
-type Shown = (String, Value, f64, Vec<(String, f64)>);
+pub type Shown = (String, Value, f64, Vec<(String, f64)>);
 
 /// Log probabilities may differ in the last bits between two processes' runs of the same model.
 const LOGPROB_TOLERANCE: f64 = 1e-3;
 
 /// Whether two outcomes agree: all exactly, but log probabilities within the tolerance.
-fn agree(a: &Outcome, b: &Outcome) -> bool {
+pub fn agree(a: &Outcome, b: &Outcome) -> bool {
     let near = |x: f64, y: f64| (x - y).abs() <= LOGPROB_TOLERANCE;
     let same_shown = |x: &Shown, y: &Shown| {
         x.0 == y.0
@@ -75,7 +75,7 @@ fn shown(logprobs: &Value) -> Vec<Shown> {
 }
 
 /// Sends `body` to `base` and reads the outcome, from a whole body or from a stream's chunks.
-async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome> {
+pub async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome> {
     let resp = http().post(format!("{base}{path}")).json(body).send().await?;
     let status = resp.status();
     let raw = resp.text().await?;
@@ -132,7 +132,7 @@ async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Outcome
 /// The parity cases: chat and completions, whole and streamed, with stop strings, output limits,
 /// multi-byte prompts (the tiny model's output is full of characters split over byte tokens, some
 /// never completed) and special tokens kept.
-fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
+pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
     // Several sequences: vLLM refuses `n > 1` with greedy sampling, so they sample, with a seed that
     // makes both servers draw the same; SGLang's worker protocol carries no seed, and it samples
     // greedily for any `n`.
@@ -192,7 +192,7 @@ fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
 
 /// kvgate in front of `worker` as an SMG user starts it: the worker's URL alone, no tokenizer (the
 /// worker hands over its own, `GetTokenizer`), no KV-event endpoints (its own stream carries them).
-async fn smg_style_gateway(worker: &kvgate_real_engines::fleet::Engine) -> anyhow::Result<Gateway> {
+pub async fn smg_style_gateway(worker: &kvgate_real_engines::fleet::Engine) -> anyhow::Result<Gateway> {
     let mut overrides = test_overrides(&[worker]);
     overrides.tokenizer = None;
     let gw = Gateway::start("", overrides).await?;

@@ -76,7 +76,8 @@ transport = "gRPC workers" if runs and runs[0]["engine_hit_rate"] is None else "
 hit = lambda r: r["engine_hit_rate"] if r["engine_hit_rate"] is not None else r["reported_hit_rate"]
 print(f"the incident on {engines} real {runtime} {transport} ({kv} KV tokens each, {pace}), fresh fleet per run; "
       f"mean of {len(runs) // max(1, len(order))} interleaved runs of {b['requests']} burst requests\n")
-print("| router | TTFT p50 / p90 / p99 (ms) | end-to-end p50 (ms) | owner's share | busiest peak queue | failures | engine hit rate |")
+hit_label = "hit rate (responses' usage)" if transport == "gRPC workers" else "engine hit rate"
+print(f"| router | TTFT p50 / p90 / p99 (ms) | end-to-end p50 (ms) | owner's share | busiest peak queue | failures | {hit_label} |")
 print("|---|---|---|---|---|---|---|")
 mean = lambda xs: statistics.mean(x for x in xs if x is not None)
 for c in order:

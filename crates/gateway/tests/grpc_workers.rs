@@ -53,6 +53,8 @@ struct FakeScheduler {
     seen: Arc<Mutex<Seen>>,
     events: Arc<Mutex<Events>>,
     bundle: Bundle,
+    /// A request for 7 tokens streams its first token alone, then waits for this before the rest.
+    gate: Arc<tokio::sync::Notify>,
 }
 
 /// The tokenizer archive `GetTokenizer` sends, and the SHA-256 it gives for it (`None`: it has none).
@@ -141,6 +143,18 @@ impl SglangScheduler for FakeScheduler {
             })),
         };
         let delay = self.chunk_delay;
+        if stream && max == 7 {
+            let gate = self.gate.clone();
+            let first = chunk(0, &ids[..1], prompt, None);
+            let rest = chunk(0, &ids[1..], prompt, None);
+            let end = complete(0, ids[1..].to_vec(), ids.len() as u32, 1);
+            let gated = futures_util::stream::iter([Ok(first)]).chain(futures_util::stream::once(async move {
+                gate.notified().await;
+                Ok(rest)
+            }));
+            let pieces: Pieces = Box::pin(gated.chain(futures_util::stream::iter([Ok(end)])));
+            return Ok(Response::new(pieces));
+        }
         let pieces: Pieces = if stream {
             // Two tokens per chunk, as a worker with a stream interval sends them; the final
             // message repeats only the last chunk's ids, as the Python servicers do.
@@ -273,6 +287,7 @@ struct Fixture {
     addr: std::net::SocketAddr,
     /// The worker's `grpc.health.v1` service (`None`: it has none).
     health: Option<tonic_health::server::HealthReporter>,
+    gate: Arc<tokio::sync::Notify>,
 }
 
 async fn fixture(chunk_delay: Duration) -> Fixture {
@@ -290,8 +305,16 @@ async fn fixture_with(chunk_delay: Duration, streamed: bool, poll_interval_ms: u
     let seen = Arc::new(Mutex::new(Seen::default()));
     let events = Arc::new(Mutex::new(Events { streamed, subscriptions: Vec::new() }));
     let bundle = Arc::new(Mutex::new(None));
-    let fake =
-        FakeScheduler { output, eos, chunk_delay, seen: seen.clone(), events: events.clone(), bundle: bundle.clone() };
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let fake = FakeScheduler {
+        output,
+        eos,
+        chunk_delay,
+        seen: seen.clone(),
+        events: events.clone(),
+        bundle: bundle.clone(),
+        gate: gate.clone(),
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (reporter, health_service) = tonic_health::server::health_reporter();
@@ -320,7 +343,7 @@ async fn fixture_with(chunk_delay: Duration, streamed: bool, poll_interval_ms: u
         })
         .await;
     assert!(ok, "the gRPC worker's health, model and load never arrived: {}", gw.get_json("/admin/workers").await);
-    Fixture { gw, seen, events, bundle, addr, health }
+    Fixture { gw, seen, events, bundle, addr, health, gate }
 }
 
 fn chat(stream: bool, extra: Value) -> Value {
@@ -450,6 +473,33 @@ async fn the_role_comes_with_the_first_token_not_before_it() {
     // A worker that fails before any token: an error, and no role.
     let failed = f.gw.post("/v1/chat/completions", &chat(true, json!({"max_tokens": 2}))).await.text().await.unwrap();
     assert!(!failed.contains("role") && failed.contains("error"), "{failed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokens_text_goes_out_before_the_worker_sends_the_next_one() {
+    let f = fixture(Duration::ZERO).await;
+    let resp =
+        f.gw.post("/v1/completions", &json!({"model": "fake-model", "prompt": "Hi", "max_tokens": 7, "stream": true}))
+            .await;
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    // The worker sends the second token only once the first one's text reached the client: a
+    // gateway that held it back for the next message would wait here forever.
+    let first_text = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(bytes) = body.next().await {
+            seen.push_str(&String::from_utf8_lossy(&bytes.unwrap()));
+            if seen.contains(r#""text":"Hello""#) {
+                return true;
+            }
+        }
+        false
+    });
+    assert!(first_text.await.unwrap_or(false), "the first token's text did not come before the next token: {seen}");
+    f.gate.notify_one();
+    while let Some(bytes) = body.next().await {
+        seen.push_str(&String::from_utf8_lossy(&bytes.unwrap()));
+    }
+    assert!(seen.ends_with("data: [DONE]\n\n"), "{seen}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,12 @@ impl Detokenizer {
         Detokenizer { tokenizer, skip_special_tokens, ids: prompt.to_vec(), prefix: String::new(), prefix_index: 0 }
     }
 
+    /// The tokenizer's special tokens: the only tokens (with a request's own stop token ids) a
+    /// worker can stop on, which are then no text.
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
+    }
+
     /// The text of `ids` decoded whole (a prompt echoed back).
     pub fn text_of(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizeError> {
         self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| TokenizeError::Decode(e.to_string()))

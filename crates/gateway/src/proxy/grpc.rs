@@ -7,6 +7,7 @@
 //! the response in the gateway, and the worker is told to abort the rest; so is a client that goes
 //! away (its body dropped).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,8 +56,11 @@ pub(super) struct GrpcAnswer {
 /// One sequence of an answer.
 struct Choice {
     text: SequenceText,
-    /// The last token received, not yet text: only the next message says whether it is the token
-    /// the worker stopped on (an EOS, which is no text) or generated text.
+    /// Tokens a worker may stop on (special tokens and the request's stop token ids): a chunk's
+    /// last token of these is held back (see `held`); any other token is text at once.
+    may_stop: Arc<HashSet<u32>>,
+    /// The last token received, not yet text: it is one the worker may stop on, and only the next
+    /// message says whether it did (the token is then no text) or generated on.
     held: Option<u32>,
     /// How it ended, once it has.
     finish: Option<Finish>,
@@ -81,8 +85,14 @@ impl Choice {
         let Some((&last, rest)) = ids.split_last() else { return Ok(()) };
         let mut run: Vec<u32> = self.held.take().into_iter().collect();
         run.extend_from_slice(rest);
+        // Holding every chunk's last token would delay each token's text by a step (the first
+        // token's too: a whole step added to the time to first token).
+        if self.may_stop.contains(&last) {
+            self.held = Some(last);
+        } else {
+            run.push(last);
+        }
         self.text.push(&run, false).map_err(|_| ApiError::Internal)?;
-        self.held = Some(last);
         if self.text.stopped().is_some() {
             self.finish = Some(finish_of(&self.text, "stop", None));
             self.cut_short = true;
@@ -290,6 +300,7 @@ impl Backend for GrpcBackend {
         // SGLang's server does).
         let echo = if plan.echo { body.get("prompt").and_then(Value::as_str).map(str::to_owned) } else { None };
         let mut choices = Vec::with_capacity(plan.sampling.n as usize);
+        let mut may_stop: Option<Arc<HashSet<u32>>> = None;
         // Token names in logprobs follow the runtime's own server.
         let style =
             if worker.known_runtime() == Some(GrpcRuntime::Sglang) { NameStyle::Sglang } else { NameStyle::Vllm };
@@ -308,8 +319,24 @@ impl Backend for GrpcBackend {
                 })?),
                 None => None,
             };
+            let may_stop = may_stop
+                .get_or_insert_with(|| {
+                    let mut ids = detokenizer.special_ids();
+                    ids.extend(&plan.sampling.stop_token_ids);
+                    Arc::new(ids)
+                })
+                .clone();
             let text = SequenceText::new(detokenizer, plan.stop.clone());
-            choices.push(Choice { text, held: None, finish: None, cut_short: false, logprobs, sent_chars: 0, echo });
+            choices.push(Choice {
+                text,
+                may_stop,
+                held: None,
+                finish: None,
+                cut_short: false,
+                logprobs,
+                sent_chars: 0,
+                echo,
+            });
         }
         let request_id = format!("kvgate-{}", flight.id.0);
         let generation = Generation {

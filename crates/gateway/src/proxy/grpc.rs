@@ -75,8 +75,9 @@ struct Choice {
 }
 
 impl Choice {
-    /// Adds a chunk's tokens, holding its last one back (see `held`). A stop string the worker
-    /// does not match (SGLang's servicer has no tokenizer) ends the sequence here.
+    /// Adds a chunk's tokens, holding its last one back when the worker may have stopped on it
+    /// (see `held`). A stop string the worker does not match (SGLang's servicer has no tokenizer)
+    /// ends the sequence here.
     fn push_chunk(&mut self, ids: &[u32], logprobs: Option<&TokenLogprobs>) -> Result<(), ApiError> {
         if self.finish.is_some() {
             return Ok(()); // already cut at a stop string: the rest is not text

@@ -278,7 +278,7 @@ impl Plan {
             return Err(unsupported("echo", "in chat completions"));
         }
         if echo && logprobs.is_some() {
-            // The prompt's own log probabilities would be needed (SGLang's server refuses the pair too).
+            // The prompt's own log probabilities would be needed, which workers are not asked for yet.
             return Err(unsupported("echo", "with `logprobs`"));
         }
         let n = integer(body, "n")?.unwrap_or(1);

@@ -14,6 +14,7 @@
 //! in the new text only and the earliest-ending one wins; a streamed sequence holds back
 //! `longest stop string - 1` characters until it finishes.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokenizers::Tokenizer;
@@ -30,6 +31,8 @@ use crate::TokenizeError;
 #[derive(Clone)]
 pub struct Detokenizer {
     tokenizer: Arc<Tokenizer>,
+    /// The tokenizer's special tokens (see [`special_ids`]).
+    special_ids: Arc<HashSet<u32>>,
     skip_special_tokens: bool,
     /// Ids not yet dropped: the context the next token decodes in.
     ids: Vec<u32>,
@@ -50,15 +53,28 @@ impl std::fmt::Debug for Detokenizer {
 
 impl Detokenizer {
     /// A detokenizer for a sequence generated after `prompt` (whose ids give the first output
-    /// tokens their context, as vLLM's detokenizer has it).
-    pub fn new(tokenizer: Arc<Tokenizer>, prompt: &[u32], skip_special_tokens: bool) -> Self {
-        Detokenizer { tokenizer, skip_special_tokens, ids: prompt.to_vec(), prefix: String::new(), prefix_index: 0 }
+    /// tokens their context, as vLLM's detokenizer has it); `special_ids` are the tokenizer's
+    /// [`special_ids`], found once for all its sequences.
+    pub fn new(
+        tokenizer: Arc<Tokenizer>,
+        special_ids: Arc<HashSet<u32>>,
+        prompt: &[u32],
+        skip_special_tokens: bool,
+    ) -> Self {
+        Detokenizer {
+            tokenizer,
+            special_ids,
+            skip_special_tokens,
+            ids: prompt.to_vec(),
+            prefix: String::new(),
+            prefix_index: 0,
+        }
     }
 
     /// The tokenizer's special tokens: the only tokens (with a request's own stop token ids) a
     /// worker can stop on, which are then no text.
-    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
-        self.tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
+    pub fn special_ids(&self) -> &Arc<HashSet<u32>> {
+        &self.special_ids
     }
 
     /// The text of `ids` decoded whole (a prompt echoed back).
@@ -132,6 +148,11 @@ impl Detokenizer {
         self.prefix_index = new_prefix_index;
         Ok(new_text)
     }
+}
+
+/// The ids of `tokenizer`'s special tokens.
+pub fn special_ids(tokenizer: &Tokenizer) -> HashSet<u32> {
+    tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
 }
 
 enum StepError {

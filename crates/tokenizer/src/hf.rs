@@ -8,7 +8,7 @@
 //! Special tokens (`bos_token`, `eos_token`, ...) come from `tokenizer_config.json` or
 //! `special_tokens_map.json` and are template variables, as in `transformers`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -104,6 +104,8 @@ pub struct HfTokenizer {
     /// Ids of long prompts' chunks; `Err` says why there is none.
     prompt_cache: Result<PromptCache, String>,
     rendering: Rendering,
+    /// The special tokens' ids, found once: every gRPC response asks for them.
+    special_ids: Arc<HashSet<u32>>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -176,6 +178,7 @@ impl HfTokenizer {
             }
         }
         let tokenizer = Arc::new(tokenizer);
+        let special_ids = Arc::new(crate::detokenize::special_ids(&tokenizer));
         let prompt_cache = match options.prompt_cache_bytes.unwrap_or(DEFAULT_CACHE_BYTES) {
             0 => Err("turned off".to_owned()),
             bytes => PromptCache::new(tokenizer.clone(), bytes, Chunking::default()),
@@ -194,6 +197,7 @@ impl HfTokenizer {
             template_origin: origin,
             prompt_cache,
             rendering: options.rendering,
+            special_ids,
         })
     }
 
@@ -428,7 +432,7 @@ impl PromptTokenizer for HfTokenizer {
     }
 
     fn detokenizer(&self, prompt: &[u32], skip_special_tokens: bool) -> Option<Detokenizer> {
-        Some(Detokenizer::new(self.tokenizer.clone(), prompt, skip_special_tokens))
+        Some(Detokenizer::new(self.tokenizer.clone(), self.special_ids.clone(), prompt, skip_special_tokens))
     }
 
     fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {

@@ -12,7 +12,7 @@
 //!   over the vocabulary piece), falling back to the name's UTF-8.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tokenizers::{DecoderWrapper, PreTokenizerWrapper, Tokenizer};
 
@@ -40,7 +40,7 @@ pub struct TokenNames {
     /// puts back the leading spaces decode strips).
     marker: Option<char>,
     /// GPT-2's byte decoder, when the tokenizer decodes byte-level (SGLang's `bytes`).
-    byte_decoder: Option<HashMap<char, u8>>,
+    byte_decoder: Option<&'static HashMap<char, u8>>,
 }
 
 impl std::fmt::Debug for TokenNames {
@@ -67,6 +67,12 @@ fn decodes_byte_level(decoder: &DecoderWrapper) -> bool {
     }
 }
 
+/// GPT-2's byte decoder, built once.
+fn byte_decoder() -> &'static HashMap<char, u8> {
+    static DECODER: OnceLock<HashMap<char, u8>> = OnceLock::new();
+    DECODER.get_or_init(gpt2_byte_decoder)
+}
+
 /// GPT-2's `bytes_to_unicode`, inverted: the character each byte is written as in a byte-level
 /// vocabulary, back to the byte. Written out because `tokenizers` keeps its table private.
 fn gpt2_byte_decoder() -> HashMap<char, u8> {
@@ -89,8 +95,13 @@ impl TokenNames {
     /// Names tokens of `tokenizer` as `style`'s server does.
     pub fn new(tokenizer: Arc<Tokenizer>, style: NameStyle) -> Self {
         let marker = tokenizer.get_pre_tokenizer().and_then(metaspace_marker);
-        let byte_decoder = tokenizer.get_decoder().filter(|d| decodes_byte_level(d)).map(|_| gpt2_byte_decoder());
+        let byte_decoder = tokenizer.get_decoder().filter(|d| decodes_byte_level(d)).map(|_| byte_decoder());
         TokenNames { tokenizer, style, marker, byte_decoder }
+    }
+
+    /// Whose server's names these are.
+    pub fn style(&self) -> NameStyle {
+        self.style
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
@@ -149,7 +160,7 @@ impl TokenNames {
 
     /// A byte-level token's own bytes (GPT-2's byte decoder over its vocabulary piece).
     fn raw_bytes(&self, id: u32) -> Option<Vec<u8>> {
-        let decoder = self.byte_decoder.as_ref()?;
+        let decoder = self.byte_decoder?;
         let piece = self.tokenizer.id_to_token(id)?;
         let raw: Option<Vec<u8>> = piece.chars().map(|c| decoder.get(&c).copied()).collect();
         raw.filter(|r| !r.is_empty())

@@ -152,8 +152,11 @@ impl Choice {
         index: u32,
         finish: Option<&Finish>,
     ) -> Result<Option<Value>, ApiError> {
+        let mut delta = self.text.take_delta(finish.is_some());
         // The echoed prompt comes with the first output, as vLLM's server sends it.
-        let delta = format!("{}{}", self.echo.take().unwrap_or_default(), self.text.take_delta(finish.is_some()));
+        if let Some(echo) = self.echo.take() {
+            delta.insert_str(0, &echo);
+        }
         // Tokens whose text is not out yet still show their logprobs, as vLLM's server shows
         // each step's.
         if finish.is_none() && delta.is_empty() && !self.logprobs_pending() {
@@ -311,7 +314,7 @@ impl Backend for GrpcBackend {
             };
             let logprobs = plan
                 .top_logprobs()
-                .map(|top| SequenceLogprobs::new(detokenizer.token_names(style), style, plan.endpoint, top));
+                .map(|top| SequenceLogprobs::new(detokenizer.token_names(style), plan.endpoint, top));
             let echo = match &echo {
                 Some(prompt) => Some(prompt.clone()),
                 None if plan.echo => Some(detokenizer.text_of(prompt, true).map_err(|e| {
@@ -322,7 +325,11 @@ impl Backend for GrpcBackend {
             };
             let may_stop = may_stop
                 .get_or_insert_with(|| {
-                    let mut ids = detokenizer.special_ids();
+                    let special = detokenizer.special_ids();
+                    if plan.sampling.stop_token_ids.is_empty() {
+                        return special.clone(); // the tokenizer's own set, shared
+                    }
+                    let mut ids = HashSet::clone(special);
                     ids.extend(&plan.sampling.stop_token_ids);
                     Arc::new(ids)
                 })

@@ -28,7 +28,6 @@ struct Entry {
 #[derive(Debug, Clone)]
 pub struct SequenceLogprobs {
     names: TokenNames,
-    style: NameStyle,
     endpoint: Endpoint,
     /// Alternatives asked per token.
     top: u32,
@@ -40,10 +39,10 @@ pub struct SequenceLogprobs {
 }
 
 impl SequenceLogprobs {
-    /// Logprobs for a sequence of `endpoint` with `top` alternatives per token, named by `names`
-    /// as `style`'s server names them.
-    pub fn new(names: TokenNames, style: NameStyle, endpoint: Endpoint, top: u32) -> Self {
-        SequenceLogprobs { names, style, endpoint, top, entries: Vec::new(), shown: 0, offset: 0 }
+    /// Logprobs for a sequence of `endpoint` with `top` alternatives per token, named and shaped
+    /// as the server `names` follows.
+    pub fn new(names: TokenNames, endpoint: Endpoint, top: u32) -> Self {
+        SequenceLogprobs { names, endpoint, top, entries: Vec::new(), shown: 0, offset: 0 }
     }
 
     /// Adds a worker's log probabilities for its next tokens. A message whose lists do not line
@@ -90,7 +89,7 @@ impl SequenceLogprobs {
                 let mut offsets: Vec<i64> = Vec::with_capacity(named.len());
                 for n in &named {
                     // SGLang's server does not compute offsets: it shows -1.
-                    offsets.push(if self.style == NameStyle::Sglang { -1 } else { self.offset as i64 });
+                    offsets.push(if self.names.style() == NameStyle::Sglang { -1 } else { self.offset as i64 });
                     self.offset += n.name.chars().count();
                 }
                 json!({
@@ -107,7 +106,7 @@ impl SequenceLogprobs {
     /// the ranked ones (each once), chat showing `top` of them and completions one more; SGLang's
     /// shows the ranked ones as they are.
     fn alternatives(&self, e: &Entry) -> Vec<(u32, f32)> {
-        match self.style {
+        match self.names.style() {
             NameStyle::Sglang => e.top.clone(),
             NameStyle::Vllm => {
                 let shown = if self.endpoint == Endpoint::Chat { self.top as usize } else { self.top as usize + 1 };
@@ -177,7 +176,7 @@ mod tests {
 
     #[test]
     fn chat_shows_the_sampled_token_first_then_the_ranked_ones_as_vllm_does() {
-        let mut s = SequenceLogprobs::new(names(NameStyle::Vllm), NameStyle::Vllm, Endpoint::Chat, 2);
+        let mut s = SequenceLogprobs::new(names(NameStyle::Vllm), Endpoint::Chat, 2);
         s.push(&lp(&[1, 2], &[-0.5, f32::NEG_INFINITY], vec![vec![(1, -0.5), (0, -1.0)], vec![(0, -0.1), (1, -0.2)]]))
             .unwrap();
         let v = s.take(2, None).unwrap();
@@ -194,7 +193,7 @@ mod tests {
 
     #[test]
     fn completions_show_one_alternative_more_with_offsets_in_characters() {
-        let mut s = SequenceLogprobs::new(names(NameStyle::Vllm), NameStyle::Vllm, Endpoint::Completions, 0);
+        let mut s = SequenceLogprobs::new(names(NameStyle::Vllm), Endpoint::Completions, 0);
         s.push(&lp(&[0, 1, 2], &[-0.1, -0.2, -0.3], Vec::new())).unwrap();
         let v = s.take(2, None).unwrap();
         assert_eq!(v["tokens"], json!(["a", "b"]));

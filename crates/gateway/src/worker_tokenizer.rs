@@ -12,8 +12,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::{GatewayConfig, TokenizerSpec};
-use crate::grpc_worker::{sha256_hex, GrpcWorker};
+use crate::config::{EngineKind, GatewayConfig, TokenizerSpec};
+use crate::grpc_worker::{sha256_hex, GrpcRuntime, GrpcWorker};
 use crate::GatewayError;
 
 /// How long start-up waits for a gRPC worker to hand over its tokenizer.
@@ -60,7 +60,16 @@ pub async fn resolve(config: &mut GatewayConfig, cache: &Path, wait: Duration) -
                         content_format: None,
                         render: None,
                     };
-                    config.tokenizer.resolve_render(&config.workers)?;
+                    // The workers that answered have shown their runtime: the rendering follows it.
+                    let detected: Vec<EngineKind> = workers
+                        .iter()
+                        .filter_map(|(_, w)| w.known_runtime())
+                        .map(|r| match r {
+                            GrpcRuntime::Sglang => EngineKind::Sglang,
+                            GrpcRuntime::Vllm => EngineKind::Vllm,
+                        })
+                        .collect();
+                    config.tokenizer.resolve_render_detected(&config.workers, &detected)?;
                     return Ok(());
                 }
                 Err(e) => last_errors.push(format!("{id}: {e}")),

@@ -199,26 +199,33 @@ async fn an_endpoint_grpc_workers_do_not_serve_goes_to_the_http_engines_of_a_mix
         grpc[0].url, http.url
     );
     let gw = start_gateway(&toml).await;
-    let generate = json!({"text": "hello there", "sampling_params": {"max_new_tokens": 2}});
+    // Embeddings are not served by gRPC workers: every one goes to the HTTP engine (which, a mock,
+    // has no such route: its own 404 comes back, not the gateway's refusal).
+    let embed = json!({"input": "hello there"});
     for _ in 0..4 {
-        let r = gw.client.post(format!("{}/generate", gw.url)).json(&generate).send().await.unwrap();
-        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        let r = gw.client.post(format!("{}/v1/embeddings", gw.url)).json(&embed).send().await.unwrap();
+        let status = r.status();
+        assert_ne!(status, 400, "{}", r.text().await.unwrap());
     }
     let log = decisions(&gw, 4).await;
+    assert_eq!(log.len(), 4, "{log:?}");
     assert!(log.iter().all(|d| d["decision"]["worker"] == "h0"), "{log:?}");
-    // Chat still goes to both.
-    for i in 0..2 {
-        let r: Value = post(&gw, &chat("be brief", &format!("hi {i}"), json!({}))).await.json().await.unwrap();
-        assert_eq!(r["usage"]["completion_tokens"], 8, "{r}");
+    // SGLang's /generate goes to both, the gRPC worker answering it in SGLang's shape.
+    let generate = json!({"text": "hello there", "sampling_params": {"max_new_tokens": 2}});
+    for _ in 0..2 {
+        let r = gw.client.post(format!("{}/generate", gw.url)).json(&generate).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let answer: Value = r.json().await.unwrap();
+        assert_eq!(answer["meta_info"]["completion_tokens"], 2, "{answer}");
     }
     let log = decisions(&gw, 2).await;
     assert_ne!(log[0]["decision"]["worker"], log[1]["decision"]["worker"], "{log:?}");
 
     // With gRPC workers only, the endpoint is refused by name before any routing.
     let only_grpc = gateway(&grpc).await;
-    let r = only_grpc.client.post(format!("{}/generate", only_grpc.url)).json(&generate).send().await.unwrap();
+    let r = only_grpc.client.post(format!("{}/v1/embeddings", only_grpc.url)).json(&embed).send().await.unwrap();
     assert_eq!(r.status(), 400);
     let body = r.text().await.unwrap();
-    assert!(body.contains("/generate is not served by gRPC workers"), "{body}");
+    assert!(body.contains("/v1/embeddings is not served by gRPC workers"), "{body}");
     assert!(decisions(&only_grpc, 10).await.is_empty(), "nothing was routed");
 }

@@ -55,11 +55,28 @@ pub enum TokenizerSpec {
 impl TokenizerSpec {
     /// Resolves `render = "auto"` (or unset) against the configured workers, and checks the value.
     pub(crate) fn resolve_render(&mut self, workers: &[WorkerSpec]) -> Result<(), GatewayError> {
+        self.resolve_render_detected(workers, &[])
+    }
+
+    /// [`Self::resolve_render`], with the runtimes gRPC workers that name none were seen to run.
+    /// `auto` is `sglang` when every worker whose runtime is known runs SGLang: HTTP workers by
+    /// their `engine` (unset counts as not SGLang), gRPC workers by their `engine` or by
+    /// `detected`.
+    pub(crate) fn resolve_render_detected(
+        &mut self,
+        workers: &[WorkerSpec],
+        detected: &[EngineKind],
+    ) -> Result<(), GatewayError> {
         let TokenizerSpec::Hf { render, .. } = self else { return Ok(()) };
         let resolved = match render.as_deref() {
             None | Some("auto") => {
-                let http: Vec<&WorkerSpec> = workers.iter().filter(|w| !w.is_grpc()).collect();
-                if !http.is_empty() && http.iter().all(|w| w.engine == EngineKind::Sglang) {
+                let known: Vec<EngineKind> = workers
+                    .iter()
+                    .filter(|w| !w.is_grpc() || w.engine != EngineKind::Auto)
+                    .map(|w| w.engine)
+                    .chain(detected.iter().copied())
+                    .collect();
+                if !known.is_empty() && known.iter().all(|k| *k == EngineKind::Sglang) {
                     "sglang"
                 } else {
                     "vllm"
@@ -563,6 +580,10 @@ mod tests {
         let grpc = "[[workers]]\nurl = \"grpc://g:1\"\n";
         assert_eq!(render_of(&format!("{tok}{sglang}")).unwrap().as_deref(), Some("sglang"));
         assert_eq!(render_of(&format!("{tok}{sglang}{grpc}")).unwrap().as_deref(), Some("sglang"));
+        let grpc_sglang = "[[workers]]\nurl = \"grpc://h:1\"\nengine = \"sglang\"\n";
+        assert_eq!(render_of(&format!("{tok}{grpc_sglang}")).unwrap().as_deref(), Some("sglang"));
+        assert_eq!(render_of(&format!("{tok}{grpc_sglang}{vllm}")).unwrap().as_deref(), Some("vllm"));
+        assert_eq!(render_of(&format!("{tok}{grpc}")).unwrap().as_deref(), Some("vllm"));
         assert_eq!(render_of(&format!("{tok}{sglang}{vllm}")).unwrap().as_deref(), Some("vllm"));
         assert_eq!(render_of(tok).unwrap().as_deref(), Some("vllm"));
         let set = format!("{tok}render = \"vllm\"\n{sglang}");

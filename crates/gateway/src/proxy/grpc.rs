@@ -22,8 +22,10 @@ use serde_json::Value;
 use tonic::Code;
 
 use super::flight::{error_event, Flight, Outcome};
+use super::generate::GenerateShape;
 use super::logprobs::SequenceLogprobs;
 use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
+use super::responses::ResponsesShape;
 use super::{Backend, Outgoing, SendFailure};
 use crate::engines;
 use crate::error::ApiError;
@@ -51,6 +53,10 @@ pub(super) struct GrpcAnswer {
     /// Whether a finished sequence ends with the text of characters that never completed (SGLang's
     /// server shows them, replaced; vLLM's does not).
     flush_incomplete: bool,
+    /// A Responses request's answer, shaped as that API's object and events.
+    responses: Option<ResponsesShape>,
+    /// A `/generate` request's answer, shaped as SGLang's server shapes it.
+    generate: Option<GenerateShape>,
 }
 
 /// One sequence of an answer.
@@ -72,6 +78,8 @@ struct Choice {
     sent_chars: usize,
     /// The prompt, echoed before the text and not yet sent (completions' `echo`).
     echo: Option<String>,
+    /// Every token id the worker sent, when the answer shows them (`/generate`'s `output_ids`).
+    ids: Option<Vec<u32>>,
 }
 
 impl Choice {
@@ -83,6 +91,9 @@ impl Choice {
             return Ok(()); // already cut at a stop string: the rest is not text
         }
         self.push_logprobs(logprobs)?;
+        if let Some(all) = &mut self.ids {
+            all.extend_from_slice(ids);
+        }
         let Some((&last, rest)) = ids.split_last() else { return Ok(()) };
         let mut run: Vec<u32> = self.held.take().into_iter().collect();
         run.extend_from_slice(rest);
@@ -115,6 +126,9 @@ impl Choice {
             None if self.text.tokens() == 0 => {
                 // No chunk came: the end carries the whole sequence, its logprobs included.
                 self.push_logprobs(end.logprobs)?;
+                if let Some(all) = &mut self.ids {
+                    all.extend_from_slice(end.output_ids);
+                }
                 end.output_ids.to_vec()
             }
             None => Vec::new(),
@@ -165,6 +179,12 @@ impl Choice {
         let logprobs = self.take_logprobs(Some(self.sent_chars))?;
         self.sent_chars += delta.chars().count();
         Ok(Some(head.text_chunk(index, &delta, logprobs, finish)))
+    }
+
+    /// The ids of the tokens the sequence keeps (none past a stop string the gateway matched).
+    fn output_ids(&self) -> &[u32] {
+        let all = self.ids.as_deref().unwrap_or_default();
+        &all[..self.text.tokens().min(all.len())]
     }
 
     /// Whether tokens the text holds have logprobs not shown yet.
@@ -300,6 +320,14 @@ impl Backend for GrpcBackend {
             plan.sampling.max_tokens =
                 context.map(|c| u32::try_from(c.saturating_sub(prompt.len() as u64)).unwrap_or(u32::MAX));
         }
+        if let Some(echo) = plan.responses.as_mut() {
+            echo.set_max_output_tokens(plan.sampling.max_tokens);
+            if worker.known_runtime() == Some(GrpcRuntime::Sglang) && !plan.max_tokens_from_context {
+                // SGLang's server keeps two of a response's `max_output_tokens` back (headroom it
+                // leaves for BOS and EOS): its workers' answers are as long as its server's.
+                plan.sampling.max_tokens = plan.sampling.max_tokens.map(|m| m.saturating_sub(2));
+            }
+        }
         // The prompt as the client wrote it; token ids are decoded (special tokens skipped, as
         // SGLang's server does).
         let echo = if plan.echo { body.get("prompt").and_then(Value::as_str).map(str::to_owned) } else { None };
@@ -344,6 +372,7 @@ impl Backend for GrpcBackend {
                 logprobs,
                 sent_chars: 0,
                 echo,
+                ids: (plan.endpoint == kvgate_tokenizer::request::Endpoint::Generate).then(Vec::new),
             });
         }
         let request_id = format!("kvgate-{}", flight.id.0);
@@ -378,9 +407,19 @@ impl Backend for GrpcBackend {
             model: plan.model.clone(),
             endpoint: plan.endpoint,
         };
-        let flush_incomplete = worker.known_runtime() == Some(GrpcRuntime::Sglang);
+        let sglang = worker.known_runtime() == Some(GrpcRuntime::Sglang);
+        let responses = plan.responses.clone().map(|echo| {
+            // SGLang's server ends a stream cut by the output limit with `response.incomplete`.
+            ResponsesShape::new(&format!("kvgate-{}", flight.id.0), head.created, plan.model.clone(), echo, sglang)
+        });
+        let generate = (plan.endpoint == kvgate_tokenizer::request::Endpoint::Generate).then(|| {
+            let rid = body.get("rid").and_then(Value::as_str).map_or_else(|| request_id.clone(), str::to_owned);
+            GenerateShape::new(rid, plan.sampling.max_tokens)
+        });
         Ok(GrpcAnswer {
-            flush_incomplete,
+            flush_incomplete: sglang,
+            responses,
+            generate,
             pieces,
             request_id,
             plan,
@@ -521,6 +560,14 @@ async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<V
                 let text = format!("{}{}", c.echo.take().unwrap_or_default(), c.text.text());
                 choices.push((text, logprobs, finish));
             }
+            if let (Some(shape), Some((text, _, finish))) = (&answer.responses, choices.first()) {
+                return Ok(shape.body(text, finish, usage));
+            }
+            if let (Some(shape), Some((text, _, finish)), Some(c)) =
+                (&answer.generate, choices.first(), answer.choices.first())
+            {
+                return Ok(shape.body(text, c.output_ids(), finish, usage));
+            }
             return Ok(answer.head.body(&choices, usage));
         }
     }
@@ -570,6 +617,9 @@ impl Streamer {
                     for index in 0..self.answer.choices.len() as u32 {
                         out.push_str(&sse(&self.answer.head.role_chunk(index)));
                     }
+                }
+                if let Some(shape) = self.answer.responses.as_mut() {
+                    out.push_str(&shape.opening());
                 }
             }
             let index = match piece {
@@ -628,12 +678,22 @@ impl Streamer {
                 }
                 None => return Some(self.fail(out, ApiError::UpstreamFailed, true)),
             };
-            let head = &self.answer.head;
-            let choice = &mut self.answer.choices[index as usize];
+            let answer = &mut self.answer;
+            let choice = &mut answer.choices[index as usize];
             let finish = choice.finish.clone();
-            match choice.next_chunk(head, index, finish.as_ref()) {
-                Ok(Some(chunk)) => out.push_str(&sse(&chunk)),
-                Ok(None) => {}
+            let shaped = match (answer.responses.as_mut(), answer.generate.as_mut()) {
+                (Some(shape), _) => Ok(shape.delta(&choice.text.take_delta(finish.is_some()))),
+                (None, Some(shape)) => {
+                    let delta = choice.text.take_delta(finish.is_some());
+                    let usage = Usage { completion_tokens: choice.text.tokens() as u64, ..self.usage };
+                    Ok(shape.event(&delta, choice.output_ids(), finish.as_ref(), usage).unwrap_or_default())
+                }
+                (None, None) => choice
+                    .next_chunk(&answer.head, index, finish.as_ref())
+                    .map(|c| c.map(|c| sse(&c)).unwrap_or_default()),
+            };
+            match shaped {
+                Ok(events) => out.push_str(&events),
                 Err(e) => {
                     let (e, blames) = blame(e);
                     return Some(self.fail(out, e, blames));
@@ -659,10 +719,20 @@ impl Streamer {
             }
         }
         self.usage.completion_tokens = self.answer.completion_tokens();
-        if self.answer.plan.include_usage {
-            out.push_str(&sse(&self.answer.head.usage_chunk(self.usage)));
+        if let Some(shape) = self.answer.responses.as_mut() {
+            let finish = self.answer.choices.first().and_then(|c| c.finish.clone());
+            let finish = finish.unwrap_or_else(|| Finish { reason: "stop".into(), stop_reason: Value::Null });
+            // A Responses stream ends with its final response, without `[DONE]` (as vLLM's).
+            out.push_str(&shape.closing(&finish, self.usage));
+        } else if self.answer.generate.is_some() {
+            // The last event carried how it ended; SGLang's server ends the stream so.
+            out.push_str("data: [DONE]\n\n");
+        } else {
+            if self.answer.plan.include_usage {
+                out.push_str(&sse(&self.answer.head.usage_chunk(self.usage)));
+            }
+            out.push_str("data: [DONE]\n\n");
         }
-        out.push_str("data: [DONE]\n\n");
         if let Some(mut f) = self.flight.take() {
             f.first_byte(true);
             f.output_tokens = Some(self.usage.completion_tokens);
@@ -683,6 +753,10 @@ impl Streamer {
             abort_in_background(&f.engine, self.answer.request_id.clone());
         }
         self.done = true;
+        if let Some(shape) = self.answer.responses.as_mut() {
+            // Every event out so far is whole: the error event follows as the API names it.
+            return format!("{out}{}", shape.error(&err));
+        }
         let tail = out.as_bytes()[out.len().saturating_sub(2)..].to_vec();
         format!("{out}{}", error_event(&tail, &err))
     }

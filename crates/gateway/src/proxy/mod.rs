@@ -20,11 +20,13 @@
 //! passive health ([`crate::engines::request_failed`]); the gateway's own shortages never do.
 
 mod flight;
+mod generate;
 mod grpc;
 mod http;
 mod logprobs;
 mod openai;
 mod place;
+mod responses;
 
 use std::future::Future;
 use std::sync::Arc;

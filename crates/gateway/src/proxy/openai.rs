@@ -7,17 +7,16 @@ use serde_json::{json, Map, Value};
 use kvgate_tokenizer::detokenize::StopRule;
 use kvgate_tokenizer::request::Endpoint;
 
+use super::generate;
+use super::responses::{self, ResponsesEcho};
 use crate::error::ApiError;
 use crate::grpc_worker::{Constraint, Sampling};
 
-/// Fields a chat or completions request may carry to a gRPC worker today. A field not listed is
-/// refused with a 400 that names it, never dropped: the worker would not honour it.
-const ACCEPTED: &[&str] = &[
+/// Sampling fields every generating endpoint takes under the same names (chat, completions, and
+/// vLLM's extras on the Responses API).
+pub(super) const SAMPLING_FIELDS: &[&str] = &[
     "model",
     "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -28,24 +27,29 @@ const ACCEPTED: &[&str] = &[
     "stop",
     "stop_token_ids",
     "seed",
-    "n",
     "ignore_eos",
-    "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
-    "user",
-    // Bookkeeping that changes nothing the worker generates (vLLM's own server ignores them too).
-    "metadata",
-    "store",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "cache_salt",
+    "logit_bias",
+    "structured_outputs",
+];
+
+/// Bookkeeping that changes nothing the worker generates (vLLM's own server ignores it too).
+pub(super) const BOOKKEEPING_FIELDS: &[&str] =
+    &["user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "cache_salt"];
+
+/// Chat and completions fields beyond [`SAMPLING_FIELDS`] and [`BOOKKEEPING_FIELDS`]. A field in
+/// none of the lists is refused with a 400 that names it, never dropped: the worker would not
+/// honour it.
+const ACCEPTED: &[&str] = &[
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "min_tokens",
     "logprobs",
     "echo",
-    "logit_bias",
     "response_format",
-    "structured_outputs",
 ];
 
 /// The most alternatives a request may ask for at each position (vLLM's default `max_logprobs`).
@@ -87,6 +91,9 @@ pub struct Plan {
     pub max_tokens_from_context: bool,
     /// Completions' `echo`: each choice's text starts with the prompt.
     pub echo: bool,
+    /// A Responses request's own settings, repeated in its response object (`None` for chat and
+    /// completions).
+    pub responses: Option<ResponsesEcho>,
 }
 
 impl Plan {
@@ -233,7 +240,7 @@ fn unsupported(key: &str, why: &str) -> ApiError {
 
 /// Whether gRPC workers serve `endpoint`.
 pub fn grpc_serves(endpoint: Endpoint) -> bool {
-    matches!(endpoint, Endpoint::Chat | Endpoint::Completions)
+    matches!(endpoint, Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Generate)
 }
 
 /// The answer to a request for an endpoint gRPC workers do not serve.
@@ -241,7 +248,7 @@ pub fn grpc_unserved(endpoint: Endpoint) -> ApiError {
     ApiError::InvalidRequest {
         param: None,
         message: format!(
-            "{} is not served by gRPC workers yet: only /v1/chat/completions and /v1/completions",
+            "{} is not served by gRPC workers yet: only /v1/chat/completions, /v1/completions, /v1/responses and /generate",
             endpoint.path()
         ),
     }
@@ -253,15 +260,25 @@ impl Plan {
         if !grpc_serves(endpoint) {
             return Err(grpc_unserved(endpoint));
         }
+        if endpoint == Endpoint::Generate {
+            // SGLang's own request, read under its names, asks what this completions body asks.
+            let mut plan = Plan::from_request(Endpoint::Completions, &generate::as_completions(body)?, model)?;
+            plan.endpoint = Endpoint::Generate;
+            return Ok(plan);
+        }
         let Some(fields) = body.as_object() else {
             return Err(ApiError::InvalidRequest {
                 param: None,
                 message: "the request body must be a JSON object".into(),
             });
         };
-        let own: &[&str] = if endpoint == Endpoint::Chat { CHAT_ONLY } else { COMPLETIONS_ONLY };
-        for key in fields.keys() {
-            if !ACCEPTED.contains(&key.as_str()) && !own.contains(&key.as_str()) {
+        let is_responses = endpoint == Endpoint::Responses;
+        if is_responses {
+            responses::check(body)?;
+        } else {
+            let own: &[&str] = if endpoint == Endpoint::Chat { CHAT_ONLY } else { COMPLETIONS_ONLY };
+            let known = |k: &str| [SAMPLING_FIELDS, BOOKKEEPING_FIELDS, ACCEPTED, own].iter().any(|l| l.contains(&k));
+            if let Some(key) = fields.keys().find(|k| !known(k)) {
                 return Err(unsupported(key, ""));
             }
         }
@@ -303,12 +320,14 @@ impl Plan {
         };
         let max_tokens = match endpoint {
             Endpoint::Chat => integer(body, "max_completion_tokens")?.or(integer(body, "max_tokens")?),
+            Endpoint::Responses => integer(body, "max_output_tokens")?,
             // OpenAI's and vLLM's default for completions.
             _ => Some(integer(body, "max_tokens")?.unwrap_or(16)),
         };
         let max_tokens = max_tokens
             .map(|m| {
-                u32::try_from(m).map_err(|_| ApiError::invalid("max_tokens", "`max_tokens` must be from 0 to 2^32-1"))
+                let key = if is_responses { "max_output_tokens" } else { "max_tokens" };
+                u32::try_from(m).map_err(|_| ApiError::invalid(key, format!("`{key}` must be from 0 to 2^32-1")))
             })
             .transpose()?;
         let min_tokens = integer(body, "min_tokens")?.unwrap_or(0);
@@ -321,7 +340,8 @@ impl Plan {
             .map(|k| i32::try_from(k).map_err(|_| ApiError::invalid("top_k", "`top_k` must fit in 32 bits")))
             .transpose()?;
         let logit_bias = logit_bias(body)?;
-        let constraint = constraint(body)?;
+        let constraint =
+            if is_responses { responses::constraint(body, structured_outputs)? } else { constraint(body)? };
         let f = |key| number(body, key).map(|v| v.map(|x| x as f32));
         let include_stop = flag(body, "include_stop_str_in_output", false)?;
         let sampling = Sampling {
@@ -352,6 +372,7 @@ impl Plan {
             model: body.get("model").and_then(Value::as_str).unwrap_or(model).to_owned(),
             max_tokens_from_context: max_tokens.is_none(),
             echo,
+            responses: is_responses.then(|| ResponsesEcho::from_request(body)),
             sampling,
             stop: StopRule { stop, include_stop_str_in_output: include_stop, min_tokens: min_tokens as usize },
             include_usage,

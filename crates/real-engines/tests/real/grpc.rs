@@ -80,6 +80,12 @@ pub async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Out
     let status = resp.status();
     let raw = resp.text().await?;
     ensure!(status.is_success(), "{base}{path} answered {status}: {raw}");
+    if path == "/v1/responses" {
+        return responses_outcome(&raw, body["stream"] == true).with_context(|| format!("{base}{path}"));
+    }
+    if path == "/generate" {
+        return generate_outcome(&raw, body["stream"] == true).with_context(|| format!("{base}{path}"));
+    }
     let mut choices: Vec<(String, String)> = Vec::new();
     let mut at = |index: &Value| -> anyhow::Result<usize> {
         let i = index.as_u64().context("a choice without an index")? as usize;
@@ -127,6 +133,70 @@ pub async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Out
     let (prompt, completion) =
         (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0));
     Ok((choices, prompt, completion, logprobs))
+}
+
+/// A Responses answer's outcome: the message's text with the response's status in place of a
+/// finish reason, and the input and output token counts. A stream's deltas must add up to the
+/// text of the response it ends with, and its events must be numbered in order.
+fn responses_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
+    let text_of = |response: &Value| -> String {
+        let parts = response["output"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|item| item["content"].as_array().into_iter().flatten().filter_map(|p| p["text"].as_str()));
+        parts.collect()
+    };
+    // A stream's status says which event ended it (the runtimes end a cut response differently).
+    let mut ended_by = String::new();
+    let response: Value = if stream {
+        let mut deltas = String::new();
+        let mut last = Value::Null;
+        for (i, line) in raw.lines().filter_map(|l| l.strip_prefix("data: ")).enumerate() {
+            let event: Value = serde_json::from_str(line).with_context(|| line.to_owned())?;
+            ensure!(event["sequence_number"] == i as u64, "event {i} is numbered {}: {raw}", event["sequence_number"]);
+            if event["type"] == "response.output_text.delta" {
+                deltas.push_str(event["delta"].as_str().unwrap_or_default());
+            }
+            last = event;
+        }
+        let kind = last["type"].as_str().unwrap_or_default();
+        ensure!(matches!(kind, "response.completed" | "response.incomplete"), "the stream ended with {kind}: {raw}");
+        ensure!(deltas == text_of(&last["response"]), "the deltas {deltas:?} are not the response's text: {raw}");
+        ended_by = format!(" via {kind}");
+        last["response"].clone()
+    } else {
+        serde_json::from_str(raw).with_context(|| raw.to_owned())?
+    };
+    let status = format!("{}{ended_by}", response["status"].as_str().unwrap_or_default());
+    let usage = &response["usage"];
+    let (input, output) = (usage["input_tokens"].as_u64().unwrap_or(0), usage["output_tokens"].as_u64().unwrap_or(0));
+    Ok((vec![(text_of(&response), status)], input, output, vec![Vec::new()]))
+}
+
+/// A `/generate` answer's outcome: the text, with the finish reason and output ids in place of a
+/// finish reason, and the prompt and completion token counts. Each event of a stream carries all
+/// the text so far: each must extend the one before.
+fn generate_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
+    let answer: Value = if stream {
+        ensure!(raw.ends_with("data: [DONE]\n\n"), "the stream did not end with [DONE]: {raw}");
+        let mut last = Value::Null;
+        for line in raw.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| *l != "[DONE]") {
+            let event: Value = serde_json::from_str(line).with_context(|| line.to_owned())?;
+            let (before, now) = (last["text"].as_str().unwrap_or_default(), event["text"].as_str().unwrap_or_default());
+            ensure!(now.starts_with(before), "an event's text {now:?} does not extend {before:?}: {raw}");
+            last = event;
+        }
+        last
+    } else {
+        serde_json::from_str(raw).with_context(|| raw.to_owned())?
+    };
+    let meta = &answer["meta_info"];
+    let ended = format!("{}; output_ids {}", meta["finish_reason"], answer["output_ids"]);
+    let text = answer["text"].as_str().unwrap_or_default().to_owned();
+    let (prompt, completion) =
+        (meta["prompt_tokens"].as_u64().unwrap_or(0), meta["completion_tokens"].as_u64().unwrap_or(0));
+    Ok((vec![(text, ended)], prompt, completion, vec![Vec::new()]))
 }
 
 /// The parity cases: chat and completions, whole and streamed, with stop strings, output limits,
@@ -186,6 +256,39 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 0, "stop": ["e"]}))),
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 8, "echo": true}))),
         ]);
+        // The Responses API: one assistant message, cut by its limit or at a stop string, with
+        // instructions and a conversation, and with a JSON schema to follow.
+        let responses = "/v1/responses";
+        let plain = |mut body: Value| {
+            body["model"] = json!(MODEL);
+            body["temperature"] = json!(0);
+            body["stream"] = json!(stream);
+            body
+        };
+        out.extend([
+            (responses, plain(json!({"input": "Tell me a story", "max_output_tokens": 20}))),
+            (responses, plain(json!({"instructions": "Answer in French.", "max_output_tokens": 30, "stop": ["\n\n"], "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "列出三种水果"}]},
+                {"role": "assistant", "content": "Un"},
+                {"type": "message", "role": "user", "content": "Two"}]}))),
+            (responses, plain(json!({"input": "A person", "max_output_tokens": 40, "text": {"format": {"type": "json_schema",
+                "name": "person", "schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                "required": ["name"]}}}}))),
+        ]);
+        // SGLang's own `/generate`, on SGLang workers (vLLM's server has none).
+        if runtime == Runtime::Sglang {
+            let generate = |mut body: Value| {
+                body["stream"] = json!(stream);
+                body["sampling_params"]["temperature"] = json!(0);
+                body
+            };
+            out.extend([
+                ("/generate", generate(json!({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12}}))),
+                ("/generate", generate(json!({"text": "你好，世界。今天", "sampling_params": {"max_new_tokens": 30, "stop": ["\n\n", "stringstring"]}}))),
+                ("/generate", generate(json!({"input_ids": [100, 200, 300, 400], "sampling_params": {"max_new_tokens": 8, "no_stop_trim": true, "stop": ["e"]}}))),
+                ("/generate", generate(json!({"text": "Number:", "sampling_params": {"max_new_tokens": 10, "regex": "[0-9]{1,5}"}}))),
+            ]);
+        }
     }
     out
 }

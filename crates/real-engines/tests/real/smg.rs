@@ -68,7 +68,13 @@ async fn start_smg(fleet: &Fleet, worker: &str) -> anyhow::Result<Smg> {
 /// model: `a` is kvgate's answer (equal to the engine's), `b` SMG's.
 struct Departure {
     name: &'static str,
-    fits: fn(path: &str, a: &Outcome, b: &Outcome) -> bool,
+    fits: fn(path: &str, body: &Value, a: &Outcome, b: &Outcome) -> bool,
+}
+
+/// Whether a one-choice outcome `b` goes on past `a`'s text with more tokens (the same prompt).
+fn runs_on(a: &Outcome, b: &Outcome) -> bool {
+    let (Some(x), Some(y)) = (a.0.first(), b.0.first()) else { return false };
+    a.1 == b.1 && b.2 > a.2 && y.0.starts_with(&x.0)
 }
 
 const DEPARTURES: &[Departure] = &[
@@ -76,12 +82,35 @@ const DEPARTURES: &[Departure] = &[
     // token fewer, and so (the model seeing another prompt) other text.
     Departure {
         name: "completions prompt without BOS",
-        fits: |path, a, b| path == "/v1/completions" && b.1 + 1 == a.1,
+        fits: |path, _, a, b| path == "/v1/completions" && b.1 + 1 == a.1,
+    },
+    // The same for a Responses prompt, which vLLM's server tokenizes with its special tokens (the
+    // BOS before the template's own).
+    Departure { name: "Responses prompt without BOS", fits: |path, _, a, b| path == "/v1/responses" && b.1 + 1 == a.1 },
+    // SMG does not apply a Responses request's `stop` (vLLM's extra, which both engines' servers
+    // honour): its text runs on through the stop string (or, whitespace only, is left out whole,
+    // as SMG leaves out blank chat content).
+    Departure {
+        name: "Responses stop ignored",
+        fits: |path, body, a, b| {
+            let stops: Vec<&str> = body["stop"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            let after = b.0.first().zip(a.0.first()).and_then(|(y, x)| y.0.get(x.0.len()..));
+            let through_stop = after.is_some_and(|rest| rest.is_empty() || stops.iter().any(|s| rest.starts_with(s)));
+            path == "/v1/responses" && !stops.is_empty() && runs_on(a, b) && through_stop
+        },
+    },
+    // SGLang's server keeps two of a Responses request's `max_output_tokens` back; SMG generates
+    // all of them.
+    Departure {
+        name: "Responses without SGLang's two-token headroom",
+        fits: |path, body, a, b| {
+            path == "/v1/responses" && runs_on(a, b) && b.2 == a.2 + 2 && body["max_output_tokens"] == b.2
+        },
     },
     // SMG answers a chat message whose text is only whitespace (or empty) with `content: null`.
     Departure {
         name: "blank chat content as null",
-        fits: |path, a, b| {
+        fits: |path, _, a, b| {
             path == "/v1/chat/completions"
                 && (a.1, a.2) == (b.1, b.2)
                 && a.0.len() == b.0.len()
@@ -107,11 +136,19 @@ pub async fn smg_in_grpc_mode_answers_as_kvgate_does_but_where_it_departs_from_t
         }
         let engine = outcome(&own.url(), path, body).await.map_err(|e| format!("{e:#}"));
         let named = match (&through, &by_smg, &engine) {
-            (Ok(a), Ok(b), Ok(e)) if agree(a, e) => DEPARTURES.iter().find(|d| (d.fits)(path, a, b)),
+            (Ok(a), Ok(b), Ok(e)) if agree(a, e) => {
+                DEPARTURES.iter().find(|d| (d.fits)(path, body, a, b)).map(|d| d.name)
+            }
+            // SGLang's `/generate` names no model (its server takes none); SMG routes it by model.
+            (Ok(a), Err(refused), Ok(e))
+                if agree(a, e) && *path == "/generate" && refused.contains("No worker available for model") =>
+            {
+                Some("/generate refused for want of a model")
+            }
             _ => None,
         };
         match named {
-            Some(d) => departed.push(d.name),
+            Some(name) => departed.push(name),
             None => unexplained.push(format!(
                 "{path} {body}\n    engine: {engine:?}\n    kvgate: {through:?}\n    SMG:    {by_smg:?}"
             )),

@@ -94,22 +94,40 @@ pub(super) fn as_chat(body: &Value, rendering: Rendering) -> Result<Value, Reque
     }
     let (instructions, input) = instructions_and_input(body)?;
     let mut messages = Vec::new();
-    if let Some(text) = instructions {
+    // vLLM leaves empty instructions out.
+    if let Some(text) = instructions.filter(|t| !t.is_empty()) {
         messages.push(json!({"role": "system", "content": text}));
     }
+    let mut continue_final = false;
     match input {
         Input::Text(text) => messages.push(json!({"role": "user", "content": text})),
         Input::Items(items) => {
             for (i, item) in items.iter().enumerate() {
                 messages.extend(message(item, i)?);
             }
+            continue_final = items.last().is_some_and(is_partial);
         }
     }
     let mut chat = json!({"messages": messages, "add_special_tokens": true});
-    if let Some(tools) = body.get("tools") {
-        chat["tools"] = tools.clone();
+    if continue_final {
+        // vLLM continues a last message left unfinished instead of opening a new turn.
+        chat["continue_final_message"] = Value::Bool(true);
+        chat["add_generation_prompt"] = Value::Bool(false);
+    }
+    for key in ["tools", "chat_template_kwargs"] {
+        if let Some(v) = body.get(key).filter(|v| !v.is_null()) {
+            chat[key] = v.clone();
+        }
     }
     Ok(chat)
+}
+
+/// Whether an `input` item is a message (or reasoning) the client left unfinished, which vLLM
+/// continues rather than answering (`status` `in_progress` or `incomplete`).
+fn is_partial(item: &Value) -> bool {
+    let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+    matches!(kind, "message" | "reasoning")
+        && matches!(item.get("status").and_then(Value::as_str), Some("in_progress" | "incomplete"))
 }
 
 /// One `input` message item as SGLang turns it into a chat message (`None`: not a message).
@@ -220,5 +238,22 @@ mod tests {
         let vllm = as_chat(&body, Rendering::Vllm).unwrap();
         assert_eq!(vllm["messages"][1], json!({"role": "system", "content": "House rules."}));
         assert_eq!(vllm["add_special_tokens"], true);
+    }
+
+    #[test]
+    fn vllm_continues_an_unfinished_last_message_and_drops_empty_instructions() {
+        let body = json!({"instructions": "", "chat_template_kwargs": {"x": 1}, "input": [
+            {"role": "user", "content": "Say hi"},
+            {"type": "message", "role": "assistant", "status": "incomplete", "content": "H"}]});
+        let chat = as_chat(&body, Rendering::Vllm).unwrap();
+        assert_eq!(chat["messages"][0], json!({"role": "user", "content": "Say hi"}));
+        assert_eq!(
+            (chat["continue_final_message"].clone(), chat["add_generation_prompt"].clone()),
+            (json!(true), json!(false))
+        );
+        assert_eq!(chat["chat_template_kwargs"], json!({"x": 1}));
+        let done = json!({"input": [{"role": "user", "content": "Say hi"},
+                                    {"role": "assistant", "status": "completed", "content": "Hi"}]});
+        assert!(as_chat(&done, Rendering::Vllm).unwrap().get("continue_final_message").is_none());
     }
 }

@@ -1,0 +1,67 @@
+//! SGLang's `/generate` through a gRPC worker: the text, ids and `meta_info` SGLang's server
+//! gives, whole and streamed with the whole text in each event; batches refused by name.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::fake::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_answers_as_sglangs_server_whole_and_streamed() {
+    let f = fixture(Duration::from_millis(2)).await;
+    let body =
+        json!({"text": "Say hello.", "rid": "mine", "sampling_params": {"max_new_tokens": 64, "temperature": 0}});
+    let resp = f.gw.post("/generate", &body).await;
+    assert_eq!(resp.status(), 200);
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["text"], OUTPUT, "{answer}");
+    let meta = &answer["meta_info"];
+    assert_eq!(meta["id"], "mine");
+    assert_eq!(meta["finish_reason"]["type"], "stop", "{answer}");
+    let sent = f.seen.lock().generated[0].clone();
+    let eos = answer["output_ids"].as_array().unwrap().last().cloned().unwrap();
+    assert_eq!(meta["finish_reason"]["matched"], eos, "the EOS it stopped on: {answer}");
+    assert_eq!(meta["prompt_tokens"], sent.tokenized.unwrap().input_ids.len());
+    assert_eq!(meta["completion_tokens"], answer["output_ids"].as_array().unwrap().len());
+    assert_eq!(sent.sampling_params.unwrap().max_new_tokens, Some(64));
+
+    let body = json!({"text": "Say hello.", "stream": true, "sampling_params": {"max_new_tokens": 5}});
+    let sse = f.gw.post("/generate", &body).await.text().await.unwrap();
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
+    let events: Vec<Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(events.len() > 1, "{sse}");
+    for pair in events.windows(2) {
+        assert!(pair[1]["text"].as_str().unwrap().starts_with(pair[0]["text"].as_str().unwrap()), "{sse}");
+    }
+    let last = events.last().unwrap();
+    assert_eq!(last["meta_info"]["finish_reason"], json!({"type": "length", "length": 5}), "{sse}");
+    assert_eq!(last["output_ids"].as_array().unwrap().len(), 5, "{sse}");
+    assert!(events[..events.len() - 1].iter().all(|e| e["meta_info"]["finish_reason"].is_null()), "{sse}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_generate_cannot_carry_to_a_worker_is_refused_by_name() {
+    let f = fixture(Duration::ZERO).await;
+    let refused = [
+        (json!({"text": ["a", "b"]}), "`text` as a batch"),
+        (json!({"text": "a", "sampling_params": {"n": 2}}), "`sampling_params.n`"),
+        (json!({"text": "a", "return_logprob": true}), "`return_logprob`"),
+        (json!({"text": "a", "lora_path": "l"}), "`lora_path`"),
+        (json!({"text": "a", "sampling_params": {"max_new_tokens": "many"}}), "`max_new_tokens`"),
+        (json!({"text": "a", "sampling_params": {"min_new_tokens": -1}}), "`sampling_params.min_new_tokens`"),
+    ];
+    for (body, named) in refused {
+        let resp = f.gw.post("/generate", &body).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, 400, "{body}: {text}");
+        assert!(text.contains(named), "{body} should name {named}: {text}");
+    }
+    assert!(f.seen.lock().generated.is_empty(), "nothing refused reached the worker");
+}

@@ -5,8 +5,9 @@
 # target/), pace (an engine profile, or `off`), pace_scale, and optionally kvgate_toml (the body of
 # kvgate's configuration file) and transport (`http`, the default, or `grpc`: the engines serve SMG's
 # gRPC worker protocol and both routers reach them over it, as the incident's fleet did; such
-# engines serve no /metrics, so fleet_cache prints nothing to read and the callers read the engines
-# otherwise). It gets: kvgate, model, rates (the worker options kvgate is given),
+# engines serve no /metrics, so fleet_cache prints nothing to read and the callers take the hit rate
+# from the responses' usage; fleet_finished counts the requests each servicer's log names, and
+# sample_queues asks each worker's own GetLoads). It gets: kvgate, model, rates (the worker options kvgate is given),
 # run_dir, base, router_port, pace_label, the engines' metric names (cached_metric, prompt_metric,
 # waiting_metric, running_metric, finished_metric), and the functions engine_port, start_fleet,
 # start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished, sample_queues
@@ -131,8 +132,13 @@ print(f"{hits:.0f} {queries:.0f}")
 PY
 }
 
-# Each engine's finished requests so far, by its own counter, space-separated.
+# Each engine's finished requests so far, by its own counter, space-separated. gRPC workers: the
+# requests their servicers' logs name as received (the same once the fleet is idle).
 fleet_finished() {
+  if [ "${transport:-http}" = grpc ]; then
+    grpc_gauges finished "$engines" "$base" "$runtime" "$run_dir"
+    return
+  fi
   python3 - "$engines" "$base" "$finished_metric" <<'PY'
 import sys, urllib.request
 n, base, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -148,6 +154,9 @@ PY
 # the start and the queues) until killed; run it in the background. `exec`, so that the pid `$!`
 # gives is python's own: killing a background subshell would leave its python child polling on.
 sample_queues() {
+  if [ "${transport:-http}" = grpc ]; then
+    exec_grpc_gauges=1 grpc_gauges sample "$engines" "$base" "$runtime" "$run_dir" "$1"
+  fi
   exec python3 - "$engines" "$base" "$waiting_metric" "$1" <<'PY'
 import json, sys, time, urllib.request
 n, base, name, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -160,6 +169,37 @@ with open(path, "w", buffering=1) as out:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10 * i}/metrics", timeout=2).read().decode()
                 queues.append(sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")))
             except OSError:
+                queues.append(None)
+        out.write(json.dumps([round(time.time() - start, 2), queues]) + "\n")
+        time.sleep(0.2)
+PY
+}
+
+# gRPC workers read as incident-client.py reads them (GetLoads, servicer logs), with the vLLM venv's
+# python, which has grpcio and the protocol's stubs (for either runtime): `finished` prints each
+# worker's received requests; `sample` writes each worker's waiting queue every 200 ms to FILE, as
+# sample_queues does, until killed (with exec_grpc_gauges set, it replaces the shell).
+grpc_gauges() {
+  local run=(target/real-engines/venv/bin/python - "$@")
+  [ -n "${exec_grpc_gauges:-}" ] && run=(exec "${run[@]}")
+  "${run[@]}" <<'PY'
+import importlib.util, json, sys, time
+spec = importlib.util.spec_from_file_location("incident_client", "scripts/real-engines/incident-client.py")
+client = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(client)
+what, n, base, runtime, run_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+workers = client.GrpcEngines([base + 10 * i for i in range(n)], runtime, [f"{run_dir}/e{i}.log" for i in range(n)])
+if what == "finished":
+    print(" ".join(f"{workers.finished(i):.0f}" for i in range(n)))
+    sys.exit(0)
+start = time.time()
+with open(sys.argv[6], "w", buffering=1) as out:
+    while True:
+        queues = []
+        for i in range(n):
+            try:
+                queues.append(workers.waiting(i))
+            except Exception:
                 queues.append(None)
         out.write(json.dumps([round(time.time() - start, 2), queues]) + "\n")
         time.sleep(0.2)

@@ -17,6 +17,9 @@
 #   REPEATS     rounds over the configs, each round in a rotated order (default 3)
 #   CONFIGS     comma-separated from kvgate-enforce, kvgate-off, smg-cache_aware, smg-round_robin
 #               (default: all four)
+# Env TRANSPORT=grpc runs the engines as gRPC workers (SMG's worker protocol) and both routers reach
+# them over it; the engines' hit rate then comes from the responses' usage as aiperf totals it
+# (cached over prompt tokens), each engine's share from its servicer's log, its queue from GetLoads.
 # Engines are paced like GPUs (scripts/real-engines/pacer/kvgate_pacer.py): env PACE names the engine
 # profile (default llama3-8b-h100; `off` runs them unpaced, each step as fast as the CPU computes it)
 # and PACE_SCALE how many times slower than that GPU they run (default 4). kvgate is given the paced
@@ -40,7 +43,12 @@ pace="${PACE:-llama3-8b-h100}"
 pace_scale="${PACE_SCALE:-4}"
 trace=../shared/data/traces/mooncake_conversation_trace.jsonl
 [ -f "$trace" ] || { echo "bench.sh: $trace is missing" >&2; exit 1; }
+transport="${TRANSPORT:-http}"
 work=target/real-engines/bench-$runtime
+[ "$transport" = grpc ] && work="$work-grpc"
+# Over gRPC the hit rate is read from the responses' usage, which aiperf totals when asked to.
+usage_flag=()
+[ "$transport" = grpc ] && usage_flag=(--use-server-token-count)
 
 # vLLM and SGLang report running requests, not their remaining output: kvgate assumes half this
 # slice's mean output (about 32 tokens) instead of the default 256.
@@ -93,7 +101,7 @@ replay_once() {
   rm -rf "$out"
   target/bench-venv/bin/aiperf profile --model tiny --tokenizer kvgate/tiny --endpoint-type chat --streaming \
     --url "http://127.0.0.1:$router_port" --custom-dataset-type mooncake_trace --input-file "$work/slice.jsonl" \
-    --isl-block-size "$block" --fixed-schedule --extra-inputs ignore_eos:true --request-timeout-seconds 300 \
+    --isl-block-size "$block" --fixed-schedule --extra-inputs ignore_eos:true --request-timeout-seconds 300 "${usage_flag[@]}" \
     --no-server-metrics --no-gpu-telemetry --ui-type none --output-artifact-dir "$out" > "$work/aiperf-$cfg-$rep.log" 2>&1 \
     || { echo "bench.sh: aiperf failed for $cfg; see $work/aiperf-$cfg-$rep.log" >&2; exit 1; }
   kill "$sampler" 2>/dev/null || true
@@ -113,6 +121,9 @@ m = data.get("records", data)
 def get(name, stat):
   v = m.get(name, {})
   return v.get(stat) if isinstance(v, dict) else None
+if not queries:
+  # gRPC workers: cached over prompt tokens as the responses' usage reports them.
+  hits, queries = get("total_usage_prompt_cache_read_tokens", "avg") or 0, get("total_usage_prompt_tokens", "avg") or 0
 print(json.dumps({
   "config": cfg, "round": rep,
   "ttft_ms": {p: get("time_to_first_token", p) for p in ("p50", "p90", "p99")},
@@ -129,7 +140,7 @@ PY
 }
 for_each_run replay_once "$configs" "$repeats"
 
-python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" "$pace_label" <<'PY'
+python3 - "$results" "$rows" "$engines" "$time_scale" "$kv_tokens" "$block" "$runtime" "$pace_label" "$transport" <<'PY'
 import json, statistics, sys
 path, rows, engines, scale, kv, block, runtime = sys.argv[1:8]
 runs = [json.loads(l) for l in open(path)]
@@ -139,7 +150,8 @@ for r in runs:
         order.append(r["config"])
 pace = sys.argv[8]
 print(f"aiperf replaying {rows} Mooncake conversation rows (timestamps / {scale}, hash id = {block} tokens) on {engines} "
-      f"real {runtime} engines ({kv} KV tokens each, {pace}), fresh fleet per run; mean of {len(runs) // max(1, len(order))} interleaved runs\n")
+      f"real {runtime} engines{' as gRPC workers' if sys.argv[9] == 'grpc' else ''} ({kv} KV tokens each, {pace}), fresh fleet per run; "
+      f"mean of {len(runs) // max(1, len(order))} interleaved runs\n")
 print("| router | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | req/s | output tok/s | errors | engine prefix-cache hit rate |")
 print("|---|---|---|---|---|---|---|---|")
 def mean(xs):

@@ -71,9 +71,10 @@ pub(super) fn as_completions(body: &Value) -> Result<Value, ApiError> {
     let mut out = Map::new();
     out.insert("stream".into(), body.get("stream").cloned().unwrap_or(Value::Bool(false)));
     out.insert("max_tokens".into(), Value::from(DEFAULT_MAX_NEW_TOKENS));
+    let empty = Map::new();
     let sampling = match body.get("sampling_params") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
+        None | Some(Value::Null) => &empty,
+        Some(Value::Object(m)) => m,
         Some(_) => return Err(ApiError::invalid("sampling_params", "`sampling_params` must be an object")),
     };
     let mut structured = Map::new();

@@ -408,7 +408,7 @@ impl Backend for GrpcBackend {
             endpoint: plan.endpoint,
         };
         let sglang = worker.known_runtime() == Some(GrpcRuntime::Sglang);
-        let responses = plan.responses.clone().map(|echo| {
+        let responses = plan.responses.take().map(|echo| {
             // SGLang's server ends a stream cut by the output limit with `response.incomplete`.
             ResponsesShape::new(&format!("kvgate-{}", flight.id.0), head.created, plan.model.clone(), echo, sglang)
         });

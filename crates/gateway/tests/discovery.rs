@@ -29,7 +29,7 @@ async fn until(gw: &Gateway, what: &str, f: impl FnMut(&kvgate_gateway::AppState
 async fn engines_follow_the_workers_file_and_a_drained_engine_finishes_its_streams() {
     let (fixed, a, b) = (fake_engine().await, fake_engine().await, fake_engine().await);
     // Slow enough that the file changes while the stream still runs.
-    a.set(|x| x.chunk_delay = Duration::from_millis(150));
+    a.set(|x| x.chunk_delay = Duration::from_millis(50));
     let file = temp_file("workers.toml");
     std::fs::write(&file, format!("[[workers]]\nid = \"a\"\nurl = \"{}\"\n", a.url())).unwrap();
     let extra = format!(

@@ -382,7 +382,12 @@ pub async fn gateway(toml: &str) -> Gateway {
         .await
         .unwrap();
     });
-    Gateway { addr, state, shutdown: Some(tx), task, client: reqwest::Client::new() }
+    // The gateway closes a kept-alive connection idle for its header timeout; a client that reuses
+    // one that old races that close and reads a reset (as a discovery test did at 10 s). A client
+    // should let its pooled connections go first, as kvgate does with the engines' keep-alive.
+    let idle = state.config.limits.header_timeout / 2;
+    let client = reqwest::Client::builder().pool_idle_timeout(idle).build().unwrap();
+    Gateway { addr, state, shutdown: Some(tx), task, client }
 }
 
 /// A small chat request.

@@ -2,7 +2,7 @@
 # Starts or stops one real engine (vLLM or SGLang, on the CPU) serving the tiny model, in its own
 # process group.
 #
-#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME] [TRANSPORT]
+#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME] [TRANSPORT] [TASK]
 #   scripts/real-engines/engine.sh stop NAME [RUN_DIR]
 #   scripts/real-engines/engine.sh wait NAME PORT [TIMEOUT_S] [RUN_DIR]
 #
@@ -16,6 +16,8 @@
 # by the engine. KV_BYTES is the KV cache size: 512 bytes a token for the tiny model, so 4194304
 # holds 8,192 tokens (256 blocks of 32); the longest prompt is capped at what fits, less one block
 # (at most 4,096 tokens). vLLM takes it as --kv-cache-memory-bytes, SGLang as --max-total-tokens.
+# TASK is `generate` (the default) or `embed`: the tiny model served as an embedding model
+# (vLLM's --runner pooling --convert embed, SGLang's --is-embedding), for /v1/embeddings and Embed.
 #
 # vLLM flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
 # --trust-request-chat-template (tests render other templates through /tokenize), and
@@ -87,9 +89,16 @@ case "$cmd" in
     run="${7:-$root/target/real-engines/run}"
     runtime="${8:-vllm}"
     transport="${9:-http}"
+    task="${10:-generate}"
     case "$transport" in
       http|grpc) ;;
       *) echo "engine.sh: unknown transport $transport (http or grpc)" >&2; exit 2 ;;
+    esac
+    # embed: the same model served as an embedding model (it pools its last hidden state).
+    case "$task" in
+      generate) vllm_task=(); sglang_task=() ;;
+      embed) vllm_task=(--runner pooling --convert embed); sglang_task=(--is-embedding) ;;
+      *) echo "engine.sh: unknown task $task (generate or embed)" >&2; exit 2 ;;
     esac
     case "$runtime" in
       vllm) venv="$root/target/real-engines/venv" ;;
@@ -130,7 +139,7 @@ case "$cmd" in
         "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.launchers.grpc_server \
           --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
-          --kv-cache-memory-bytes "$kv_bytes" \
+          --kv-cache-memory-bytes "$kv_bytes" "${vllm_task[@]}" \
           --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     elif [ "$runtime" = vllm ]; then
       env -u VLLM_CPU_KVCACHE_SPACE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -141,7 +150,7 @@ case "$cmd" in
           --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
           --kv-cache-memory-bytes "$kv_bytes" --trust-request-chat-template --enable-prompt-tokens-details \
-          --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
+          "${vllm_task[@]}" --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     else
       # SGLang's KV pool is sized in tokens; the same bytes hold the same tokens as vLLM's.
       sglang_kv_config=$(printf '{"publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://*:%s", "topic": "kv"}' "$kv_endpoint" "$replay_port")
@@ -158,7 +167,7 @@ case "$cmd" in
           --model-path "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --device cpu --attention-backend torch_native --page-size 32 \
           --max-total-tokens "$((kv_bytes / 512))" --context-length "$max_len" \
-          "${sglang_mode[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template --sleep-on-idle \
+          "${sglang_mode[@]}" "${sglang_task[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template --sleep-on-idle \
           --kv-events-config "$sglang_kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     fi
     echo $! > "$run/$name.pid"

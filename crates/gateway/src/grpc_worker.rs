@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -54,6 +54,17 @@ pub struct ModelInfo {
     pub served_model_name: String,
     /// The longest sequence (prompt and output) it takes.
     pub max_context_length: Option<u64>,
+    /// Whether its model generates (`false`: it pools, as an embedding model does).
+    pub is_generation: bool,
+}
+
+/// A worker's embedding of one input (`Embed`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embedding {
+    /// The vector, as the worker's model pools it.
+    pub values: Vec<f32>,
+    /// The input's tokens, as the worker counted them.
+    pub prompt_tokens: u32,
 }
 
 /// Sampling settings in the runtimes' common terms. `None` leaves a setting to the worker.
@@ -204,6 +215,9 @@ pub struct GrpcWorker {
     ranks: AtomicUsize,
     /// It answered `UNIMPLEMENTED` to `grpc.health.v1`: its own `HealthCheck` is asked instead.
     without_standard_health: AtomicBool,
+    /// Whether its model generates, from its last `GetModelInfo` (0: not asked yet, 1: it
+    /// generates, 2: it embeds).
+    generates: AtomicU8,
 }
 
 /// A worker's KV event stream (`SubscribeKvEvents`), as it arrives.
@@ -236,6 +250,7 @@ impl GrpcWorker {
             detected: Mutex::new(None),
             ranks: AtomicUsize::new(0),
             without_standard_health: AtomicBool::new(false),
+            generates: AtomicU8::new(0),
         })
     }
 
@@ -250,6 +265,16 @@ impl GrpcWorker {
 
     fn sglang(&self) -> sglang::sglang_scheduler_client::SglangSchedulerClient<Channel> {
         sglang::sglang_scheduler_client::SglangSchedulerClient::new(self.channel()).max_decoding_message_size(64 << 20)
+    }
+
+    /// Whether the worker's model generates (`Some(false)`: an embedding model), once its
+    /// `GetModelInfo` has been read.
+    pub fn generates(&self) -> Option<bool> {
+        match self.generates.load(Ordering::Relaxed) {
+            1 => Some(true),
+            2 => Some(false),
+            _ => None,
+        }
     }
 
     /// The runtime, as configured or as detected so far.
@@ -437,7 +462,7 @@ impl GrpcWorker {
 
     /// What the worker says about its model.
     pub async fn model_info(&self, timeout: Duration) -> Result<ModelInfo, Status> {
-        Ok(match self.runtime(timeout).await? {
+        let info = match self.runtime(timeout).await? {
             GrpcRuntime::Vllm => {
                 let info =
                     self.vllm().get_model_info(request(vllm::GetModelInfoRequest {}, timeout)).await?.into_inner();
@@ -445,6 +470,7 @@ impl GrpcWorker {
                 ModelInfo {
                     served_model_name: name,
                     max_context_length: Some(u64::from(info.max_context_length)).filter(|&l| l > 0),
+                    is_generation: info.is_generation,
                 }
             }
             GrpcRuntime::Sglang => {
@@ -454,7 +480,30 @@ impl GrpcWorker {
                 ModelInfo {
                     served_model_name: name,
                     max_context_length: u64::try_from(info.max_context_length).ok().filter(|&l| l > 0),
+                    is_generation: info.is_generation,
                 }
+            }
+        };
+        self.generates.store(if info.is_generation { 1 } else { 2 }, Ordering::Relaxed);
+        Ok(info)
+    }
+
+    /// The embedding of one input's token ids, from a worker whose model pools (`Embed`).
+    pub async fn embed(&self, request_id: String, input_ids: Vec<u32>, timeout: Duration) -> Result<Embedding, Status> {
+        Ok(match self.runtime(timeout).await? {
+            GrpcRuntime::Vllm => {
+                let tokenized = Some(vllm::TokenizedInput { original_text: String::new(), input_ids });
+                let asked = vllm::EmbedRequest { request_id, tokenized };
+                let answer = self.vllm().embed(request(asked, timeout)).await?.into_inner();
+                Embedding { values: answer.embedding, prompt_tokens: answer.prompt_tokens }
+            }
+            GrpcRuntime::Sglang => {
+                let tokenized = Some(sglang::TokenizedInput { original_text: String::new(), input_ids });
+                // The servicer converts sampling settings even for an embedding (it sets the output
+                // length to 0 itself): the protocol's defaults.
+                let asked = sglang::EmbedRequest { request_id, tokenized, sampling_params: Some(Default::default()) };
+                let answer = self.sglang().embed(request(asked, timeout)).await?.into_inner();
+                Embedding { values: answer.embedding, prompt_tokens: answer.prompt_tokens }
             }
         })
     }

@@ -199,8 +199,9 @@ async fn an_endpoint_grpc_workers_do_not_serve_goes_to_the_http_engines_of_a_mix
         grpc[0].url, http.url
     );
     let gw = start_gateway(&toml).await;
-    // Embeddings are not served by gRPC workers: every one goes to the HTTP engine (which, a mock,
-    // has no such route: its own 404 comes back, not the gateway's refusal).
+    // Embeddings are not sent to a gRPC worker whose model generates (the mock's): every one goes
+    // to the HTTP engine (which, a mock, has no such route: its own 404 comes back, not the
+    // gateway's refusal).
     let embed = json!({"input": "hello there"});
     for _ in 0..4 {
         let r = gw.client.post(format!("{}/v1/embeddings", gw.url)).json(&embed).send().await.unwrap();
@@ -221,11 +222,12 @@ async fn an_endpoint_grpc_workers_do_not_serve_goes_to_the_http_engines_of_a_mix
     let log = decisions(&gw, 2).await;
     assert_ne!(log[0]["decision"]["worker"], log[1]["decision"]["worker"], "{log:?}");
 
-    // With gRPC workers only, the endpoint is refused by name before any routing.
+    // With generating gRPC workers only, the request is refused before any routing, saying what
+    // kind of worker it needs.
     let only_grpc = gateway(&grpc).await;
     let r = only_grpc.client.post(format!("{}/v1/embeddings", only_grpc.url)).json(&embed).send().await.unwrap();
     assert_eq!(r.status(), 400);
     let body = r.text().await.unwrap();
-    assert!(body.contains("/v1/embeddings is not served by gRPC workers"), "{body}");
+    assert!(body.contains("/v1/embeddings needs a worker whose model pools"), "{body}");
     assert!(decisions(&only_grpc, 10).await.is_empty(), "nothing was routed");
 }

@@ -169,6 +169,8 @@ pub struct EngineSpec {
     pub grpc: bool,
     /// Paced like a GPU ([`crate::pacing`]), or free-running on the CPU.
     pub pacing: Option<Pacing>,
+    /// Serves the model as an embedding model (it pools; `/v1/embeddings`, `Embed`).
+    pub embeds: bool,
 }
 
 impl EngineSpec {
@@ -181,7 +183,14 @@ impl EngineSpec {
             kv_bytes,
             grpc: false,
             pacing: None,
+            embeds: false,
         }
+    }
+
+    /// The same engine serving the model as an embedding model.
+    pub fn embedding(mut self) -> Self {
+        self.embeds = true;
+        self
     }
 
     /// The same engine paced like a GPU.
@@ -367,6 +376,7 @@ impl Engine {
                 &self.run_dir.to_string_lossy(),
                 self.spec.runtime.name(),
                 if self.spec.grpc { "grpc" } else { "http" },
+                if self.spec.embeds { "embed" } else { "generate" },
             ],
             &env,
         )

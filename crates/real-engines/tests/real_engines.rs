@@ -15,6 +15,8 @@
 //! - `g`: the same runtime served as a gRPC worker (SMG's worker protocol, `smg-grpc-servicer`); 8 MiB
 //!   of KV. Only the gRPC trials route to it.
 //! - on the SGLang fleet also `v`, a vLLM engine (8 MiB) for the mixed-fleet trial.
+//! - for the embeddings trial only, `eh` and `eg`: the model served as an embedding model by the
+//!   engine's own server and as a gRPC worker, started and stopped by that trial.
 //!
 //! Needs `scripts/real-engines/setup.sh` (vLLM and SGLang in venvs, and the tiny model); fails saying
 //! so otherwise. `scripts/real-engines/test.sh` does the set-up and runs this.
@@ -32,6 +34,7 @@ mod real {
     pub mod cache;
     pub mod calibration;
     pub mod demo;
+    pub mod embed;
     pub mod grpc;
     pub mod mixed;
     pub mod occupancy;
@@ -100,6 +103,7 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
     list.extend(trials![
         real::grpc::a_grpc_worker_answers_as_the_engines_own_server_does,
         real::grpc::a_grpc_workers_events_earn_credit_and_a_gone_client_aborts_its_request,
+        real::embed::a_grpc_embedding_worker_answers_as_the_engines_own_server_does,
         real::smg::smg_in_grpc_mode_answers_as_kvgate_does_but_where_it_departs_from_the_engine,
     ]);
     list.extend(trials![real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero]);

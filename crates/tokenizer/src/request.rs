@@ -128,6 +128,9 @@ pub struct Parsed {
     pub model: Option<String>,
     /// The cache salt, if any: salted prompts only share cache with the same salt.
     pub cache_salt: Option<String>,
+    /// Embeddings: how many of `tokens` each input has, in order (`tokens` is them all, one
+    /// after another). Empty for every other endpoint.
+    pub input_lengths: Vec<usize>,
 }
 
 impl Parsed {
@@ -216,6 +219,7 @@ pub fn parse_routed(
         Some(_) => return Err(RequestError::invalid("add_special_tokens", "`add_special_tokens` must be a boolean")),
     };
     let tokenize_err = |e: TokenizeError| RequestError::whole(e.to_string());
+    let mut input_lengths = Vec::new();
     let (tokens, max_tokens) = match endpoint {
         Endpoint::Chat => {
             let messages = body
@@ -301,7 +305,11 @@ pub fn parse_routed(
             };
             (tokens, opt_count(body, "max_output_tokens")?)
         }
-        Endpoint::Embeddings => (PromptIds::whole(pooling::embeddings(body, tokenizer, add_special)?), Some(0)),
+        Endpoint::Embeddings => {
+            let inputs = pooling::embeddings(body, tokenizer, add_special)?;
+            input_lengths = inputs.iter().map(Vec::len).collect();
+            (PromptIds::whole(inputs.concat()), Some(0))
+        }
         Endpoint::Rerank => (PromptIds::whole(pooling::rerank(body, tokenizer, add_special)?), Some(0)),
         Endpoint::Score => (PromptIds::whole(pooling::score(body, tokenizer, add_special)?), Some(0)),
     };
@@ -312,6 +320,7 @@ pub fn parse_routed(
         stream,
         model,
         cache_salt,
+        input_lengths,
     })
 }
 
@@ -348,7 +357,8 @@ mod tests {
         let enc = |t: &str| BuiltinTokenizer::encode(t);
         let e = p(Endpoint::Embeddings, json!({"input": ["one two", "three"], "stream": true})).unwrap();
         assert_eq!((e.tokens.len(), e.max_tokens, e.stream), (3, 0, false));
-        assert_eq!(p(Endpoint::Embeddings, json!({"input": [[1, 2], [3]]})).unwrap().tokens, vec![1, 2, 3]);
+        let lists = p(Endpoint::Embeddings, json!({"input": [[1, 2], [3]]})).unwrap();
+        assert_eq!((lists.tokens, lists.input_lengths), (vec![1, 2, 3], vec![2, 1]));
         assert_eq!(p(Endpoint::Embeddings, json!({"input": [7, 8]})).unwrap().tokens, vec![7, 8]);
         let r = p(Endpoint::Rerank, json!({"query": "q", "documents": ["a b", {"text": "c"}]})).unwrap();
         assert_eq!(r.tokens.len(), 2 * enc("q").len() + enc("a b").len() + enc("c").len());

@@ -17,10 +17,12 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use kvgate_tokenizer::detokenize::SequenceText;
+use kvgate_tokenizer::request::Endpoint;
 use kvgate_tokenizer::token_names::NameStyle;
 use serde_json::Value;
 use tonic::Code;
 
+use super::embed::{self, EmbedAsk};
 use super::flight::{error_event, Flight, Outcome};
 use super::generate::GenerateShape;
 use super::logprobs::SequenceLogprobs;
@@ -40,8 +42,16 @@ const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct GrpcBackend;
 
+/// A gRPC worker's answer, before any of it reached the client.
+pub(super) enum GrpcAnswer {
+    /// A started generation.
+    Generating(Box<Generating>),
+    /// Embeddings, whole: the response body.
+    Embedded(Vec<u8>),
+}
+
 /// A started generation, before any of it reached the client.
-pub(super) struct GrpcAnswer {
+pub(super) struct Generating {
     pieces: PieceStream,
     request_id: String,
     plan: Plan,
@@ -201,7 +211,7 @@ struct End<'a> {
     logprobs: Option<&'a TokenLogprobs>,
 }
 
-impl GrpcAnswer {
+impl Generating {
     /// The choice a piece belongs to; a worker naming one that was not asked for is at fault.
     fn choice(&mut self, index: u32) -> Result<&mut Choice, ApiError> {
         let n = self.choices.len();
@@ -272,6 +282,34 @@ fn abort_in_background(engine: &Arc<EngineHandle>, request_id: String) {
     });
 }
 
+/// A whole JSON answer, with kvgate's request id.
+fn json_response(body: Vec<u8>, request_id: Option<HeaderValue>) -> Response {
+    let mut out = Response::new(Body::from(body));
+    out.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(v) = request_id {
+        out.headers_mut().insert("x-kvgate-request-id", v);
+    }
+    out
+}
+
+/// A worker's refusal or failure of a call (`Generate`, `Embed`) as the attempt's failure, fed to
+/// passive health when it blames the worker. Nothing was produced, so a worker that could not be
+/// reached leaves the request to another.
+fn worker_failed(state: &AppState, flight: &mut Flight, status: &tonic::Status, call: &str) -> SendFailure {
+    let (err, blames) = status_error(status);
+    let engine = flight.engine.clone();
+    tracing::warn!(engine = %engine.id, request = flight.id.0, code = ?status.code(), message = status.message(), "gRPC {call} failed");
+    if !blames {
+        return SendFailure::Final(err);
+    }
+    if status.code() == Code::Unavailable {
+        engines::connect_failed(&state.engine_context(), &engine);
+        return SendFailure::Retryable(err);
+    }
+    flight.engine_failed(&err);
+    SendFailure::Final(err)
+}
+
 /// Unix seconds now, for `created`.
 #[allow(clippy::disallowed_methods)] // the response's wall-clock stamp, read at the edge
 fn unix_now() -> u64 {
@@ -295,6 +333,15 @@ impl Backend for GrpcBackend {
         let body: Value = serde_json::from_slice(request.body)
             .map_err(|e| SendFailure::Final(ApiError::InvalidJson(e.to_string())))?;
         let served = engine.models.lock().first().cloned().unwrap_or_default();
+        if request.endpoint == Endpoint::Embeddings {
+            let ask = EmbedAsk::from_request(&body, &served).map_err(SendFailure::Final)?;
+            let request_id = format!("kvgate-{}", flight.id.0);
+            let embedded = embed::embed_all(worker, request.parsed, &request_id, state.config.request_timeout).await;
+            let embeddings = embedded.map_err(|status| worker_failed(state, flight, &status, "Embed"))?;
+            engines::request_succeeded(&engine);
+            let body = ask.shape(embeddings, worker.known_runtime(), &request_id, unix_now());
+            return Ok(GrpcAnswer::Embedded(body));
+        }
         let mut plan = Plan::from_request(request.endpoint, &body, &served).map_err(SendFailure::Final)?;
         let prompt = &request.parsed.tokens;
         if plan.sampling.seed.is_some() && worker.known_runtime() == Some(GrpcRuntime::Sglang) {
@@ -382,23 +429,10 @@ impl Backend for GrpcBackend {
             sampling: plan.sampling.clone(),
             stream: request.parsed.stream,
         };
-        let pieces = match worker.generate(generation, state.config.request_timeout).await {
-            Ok(pieces) => pieces,
-            Err(status) => {
-                let (err, blames) = status_error(&status);
-                tracing::warn!(engine = %engine.id, request = flight.id.0, code = ?status.code(), message = status.message(), "gRPC Generate failed");
-                if !blames {
-                    return Err(SendFailure::Final(err));
-                }
-                if status.code() == Code::Unavailable {
-                    // Nothing was generated: another worker can take it.
-                    engines::connect_failed(&state.engine_context(), &engine);
-                    return Err(SendFailure::Retryable(err));
-                }
-                flight.engine_failed(&err);
-                return Err(SendFailure::Final(err));
-            }
-        };
+        let pieces = worker
+            .generate(generation, state.config.request_timeout)
+            .await
+            .map_err(|status| worker_failed(state, flight, &status, "Generate"))?;
         engines::request_succeeded(&engine);
         let prefix = if plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let head = ResponseHead {
@@ -416,7 +450,7 @@ impl Backend for GrpcBackend {
             let rid = body.get("rid").and_then(Value::as_str).map_or_else(|| request_id.clone(), str::to_owned);
             GenerateShape::new(rid, plan.sampling.max_tokens)
         });
-        Ok(GrpcAnswer {
+        Ok(GrpcAnswer::Generating(Box::new(Generating {
             flush_incomplete: sglang,
             responses,
             generate,
@@ -427,12 +461,20 @@ impl Backend for GrpcBackend {
             choices,
             stream: request.parsed.stream,
             prompt_tokens: prompt.len() as u64,
-        })
+        })))
     }
 
     /// Detokenizes the worker's pieces into the client's response.
     async fn respond(&self, answer: GrpcAnswer, mut flight: Flight) -> Result<Response, ApiError> {
         let request_id = HeaderValue::from_str(&flight.id.0.to_string()).ok();
+        let answer = match answer {
+            GrpcAnswer::Generating(answer) => *answer,
+            GrpcAnswer::Embedded(body) => {
+                flight.first_byte(false);
+                flight.outcome = Outcome::Status(StatusCode::OK.as_u16());
+                return Ok(json_response(body, request_id));
+            }
+        };
         if !answer.stream {
             let state = flight.state.clone();
             let worker_request = answer.request_id.clone();
@@ -448,12 +490,7 @@ impl Backend for GrpcBackend {
             };
             flight.first_byte(false);
             flight.outcome = Outcome::Status(status.as_u16());
-            let mut out = Response::new(Body::from(body.to_string()));
-            out.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            if let Some(v) = request_id {
-                out.headers_mut().insert("x-kvgate-request-id", v);
-            }
-            return Ok(out);
+            return Ok(json_response(body.to_string().into_bytes(), request_id));
         }
         let idle = flight.state.config.limits.stream_idle_timeout;
         let stream = Streamer { answer, flight: Some(flight), usage: Usage::default(), started: false, done: false };
@@ -492,7 +529,7 @@ fn stopped_on_token(reason: &str, matched: Option<&MatchedStop>) -> bool {
 
 /// The whole response of a request that did not stream. On an error the flight's outcome is set
 /// (the worker blamed where it failed) and the worker is told to stop what it may still run.
-async fn collect(answer: GrpcAnswer, flight: &mut Flight) -> Result<Value, ApiError> {
+async fn collect(answer: Generating, flight: &mut Flight) -> Result<Value, ApiError> {
     let request_id = answer.request_id.clone();
     let collected = collect_answer(answer, flight).await;
     if let Err((err, blames_worker)) = &collected {
@@ -508,7 +545,7 @@ async fn collect(answer: GrpcAnswer, flight: &mut Flight) -> Result<Value, ApiEr
 
 /// The pieces of an answer that did not stream, read until every sequence has ended; an error says
 /// whether it blames the worker.
-async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<Value, (ApiError, bool)> {
+async fn collect_answer(mut answer: Generating, flight: &mut Flight) -> Result<Value, (ApiError, bool)> {
     let internal = |e: ApiError| (e, false);
     let blamed = |e: ApiError| (e, true);
     let mut usage = Usage { prompt_tokens: answer.prompt_tokens, ..Usage::default() };
@@ -578,7 +615,7 @@ async fn collect_answer(mut answer: GrpcAnswer, flight: &mut Flight) -> Result<V
 /// A streamed response in progress: the worker's pieces turned into SSE events one at a time. When
 /// it is dropped before the end (the client went away), the worker is told to abort.
 struct Streamer {
-    answer: GrpcAnswer,
+    answer: Generating,
     flight: Option<Flight>,
     usage: Usage,
     started: bool,

@@ -19,6 +19,7 @@
 //! [`dispatch`]. Engine failures (server errors, timeouts, refused connects, broken streams) feed
 //! passive health ([`crate::engines::request_failed`]); the gateway's own shortages never do.
 
+mod embed;
 mod flight;
 mod generate;
 mod grpc;
@@ -134,16 +135,19 @@ async fn route(
     if let Some(rest) = &parsed.rest {
         check_estimate(state, rest);
     }
-    // An endpoint gRPC workers do not serve goes to the HTTP engines of a mixed fleet only.
-    let unserved: Vec<WorkerId> = if openai::grpc_serves(endpoint) {
-        Vec::new()
-    } else {
+    // gRPC workers that cannot take the endpoint (an embedding model asked to generate, a
+    // generating one asked to embed, rerank and score on any) are passed over.
+    let unserved: Vec<WorkerId> = {
         let engines = state.engines.read();
-        let grpc: Vec<WorkerId> = engines.values().filter(|e| e.grpc.is_some()).map(|e| e.id.clone()).collect();
-        if !grpc.is_empty() && grpc.len() == engines.len() {
+        let unserved: Vec<WorkerId> = engines
+            .values()
+            .filter(|e| e.grpc.as_ref().is_some_and(|w| !openai::grpc_serves(endpoint, w.generates())))
+            .map(|e| e.id.clone())
+            .collect();
+        if !unserved.is_empty() && unserved.len() == engines.len() {
             return Err((openai::grpc_unserved(endpoint), false));
         }
-        grpc
+        unserved
     };
     let keys = routing_keys(state, endpoint, &parsed);
     let mut queue = QueueSlot::new(state, state.clock.instant() + state.config.queue_timeout);

@@ -238,26 +238,40 @@ fn unsupported(key: &str, why: &str) -> ApiError {
     ApiError::invalid(key, format!("`{key}` {why} is not supported with gRPC workers yet"))
 }
 
-/// Whether gRPC workers serve `endpoint`.
-pub fn grpc_serves(endpoint: Endpoint) -> bool {
-    matches!(endpoint, Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Generate)
+/// Whether a gRPC worker serves `endpoint`: the generating routes on a worker whose model
+/// generates (or has not said yet), embeddings on one whose model pools (`Embed`); rerank and
+/// score on none.
+pub fn grpc_serves(endpoint: Endpoint, generates: Option<bool>) -> bool {
+    match endpoint {
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Generate => generates != Some(false),
+        Endpoint::Embeddings => generates == Some(false),
+        Endpoint::Rerank | Endpoint::Score => false,
+    }
 }
 
-/// The answer to a request for an endpoint gRPC workers do not serve.
+/// The answer to a request for `endpoint` when no worker of an all-gRPC fleet serves it.
 pub fn grpc_unserved(endpoint: Endpoint) -> ApiError {
-    ApiError::InvalidRequest {
-        param: None,
-        message: format!(
-            "{} is not served by gRPC workers yet: only /v1/chat/completions, /v1/completions, /v1/responses and /generate",
+    let message = match endpoint {
+        Endpoint::Embeddings => "/v1/embeddings needs a worker whose model pools: every gRPC worker here serves a \
+                                 generating model (or has not said what it serves yet)"
+            .to_owned(),
+        Endpoint::Rerank | Endpoint::Score => format!(
+            "{} is not served by gRPC workers yet: only /v1/chat/completions, /v1/completions, /v1/responses, \
+             /generate and /v1/embeddings",
             endpoint.path()
         ),
-    }
+        _ => format!(
+            "{} needs a worker whose model generates: every gRPC worker here serves an embedding model",
+            endpoint.path()
+        ),
+    };
+    ApiError::InvalidRequest { param: None, message }
 }
 
 impl Plan {
     /// Reads what `body` asks for. `model` names the response's model when the request does not.
     pub fn from_request(endpoint: Endpoint, body: &Value, model: &str) -> Result<Plan, ApiError> {
-        if !grpc_serves(endpoint) {
+        if !grpc_serves(endpoint, None) {
             return Err(grpc_unserved(endpoint));
         }
         if endpoint == Endpoint::Generate {

@@ -21,6 +21,7 @@ pub const OUTPUT: &str = "Hello 🙂 world. STOP and more text";
 #[derive(Default)]
 pub struct Seen {
     pub generated: Vec<pb::GenerateRequest>,
+    pub embedded: Vec<pb::EmbedRequest>,
     pub aborted: Vec<String>,
     /// Calls of the protocol's own `HealthCheck` (SGLang's generates a token for each).
     pub own_health_checks: usize,
@@ -48,6 +49,15 @@ pub struct FakeScheduler {
     pub bundle: Bundle,
     /// A request for 7 tokens streams its first token alone, then waits for this before the rest.
     pub gate: Arc<tokio::sync::Notify>,
+    /// Its model pools (an embedding model): `GetModelInfo` says it does not generate, and
+    /// `Embed` answers with [`fake_embedding`].
+    pub embeds: bool,
+}
+
+/// The fake worker's embedding of `ids`: their count, the first id, and a fraction a float32
+/// cannot hold exactly.
+pub fn fake_embedding(ids: &[u32]) -> Vec<f32> {
+    vec![ids.len() as f32, ids.first().copied().unwrap_or(0) as f32, 0.1]
 }
 
 /// The tokenizer archive `GetTokenizer` sends, and the SHA-256 it gives for it (`None`: it has none).
@@ -175,8 +185,20 @@ impl SglangScheduler for FakeScheduler {
         Ok(Response::new(pieces))
     }
 
-    async fn embed(&self, _: Request<pb::EmbedRequest>) -> Result<Response<pb::EmbedResponse>, Status> {
-        Err(Status::unimplemented("no embeddings"))
+    async fn embed(&self, request: Request<pb::EmbedRequest>) -> Result<Response<pb::EmbedResponse>, Status> {
+        if !self.embeds {
+            // As the servicers answer when their engine's model generates.
+            return Err(Status::invalid_argument("the model does not support embeddings"));
+        }
+        let r = request.into_inner();
+        let ids = r.tokenized.as_ref().map(|t| t.input_ids.clone()).unwrap_or_default();
+        self.seen.lock().embedded.push(r);
+        let embedding = fake_embedding(&ids);
+        Ok(Response::new(pb::EmbedResponse {
+            embedding_dim: embedding.len() as u32,
+            embedding,
+            prompt_tokens: ids.len() as u32,
+        }))
     }
 
     async fn health_check(
@@ -200,6 +222,7 @@ impl SglangScheduler for FakeScheduler {
         Ok(Response::new(pb::GetModelInfoResponse {
             served_model_name: "fake-model".into(),
             max_context_length: 4096,
+            is_generation: !self.embeds,
             ..Default::default()
         }))
     }
@@ -296,6 +319,21 @@ pub async fn fixture_with(
     poll_interval_ms: u64,
     standard_health: bool,
 ) -> Fixture {
+    start(chunk_delay, streamed, poll_interval_ms, standard_health, false).await
+}
+
+/// A gateway in front of the fake worker serving an embedding model.
+pub async fn embedding_fixture() -> Fixture {
+    start(Duration::from_millis(2), false, 50, true, true).await
+}
+
+async fn start(
+    chunk_delay: Duration,
+    streamed: bool,
+    poll_interval_ms: u64,
+    standard_health: bool,
+    embeds: bool,
+) -> Fixture {
     let tokenizer_file = tokenizer_path();
     let tokenizer = HfTokenizer::load(&tokenizer_file, HfOptions::default()).unwrap();
     let output = tokenizer.encode_prompt(OUTPUT, false).unwrap();
@@ -312,6 +350,7 @@ pub async fn fixture_with(
         events: events.clone(),
         bundle: bundle.clone(),
         gate: gate.clone(),
+        embeds,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -4,6 +4,7 @@
 //! gRPC workers are the real-engine suite's business; this checks the gateway's side: health, load
 //! and identity over gRPC, token ids in and text out, stop strings matched in the gateway, aborts.
 
+mod embeddings;
 mod fake;
 mod generate;
 mod responses;

@@ -26,24 +26,19 @@ fn one_input(
     }
 }
 
-/// `POST /v1/embeddings`: `input` is a string, strings, token ids or lists of token ids.
+/// `POST /v1/embeddings`: `input` is a string, strings, token ids or lists of token ids. Each
+/// input's ids, in order.
 pub(super) fn embeddings(
     body: &Value,
     tokenizer: &dyn PromptTokenizer,
     add_special: bool,
-) -> Result<Vec<u32>, RequestError> {
+) -> Result<Vec<Vec<u32>>, RequestError> {
     let input = body.get("input").ok_or_else(|| RequestError::invalid("input", "`input` is required"))?;
     match input {
         Value::Array(items) if items.is_empty() => Err(RequestError::invalid("input", "`input` must not be empty")),
-        Value::Array(items) if items[0].is_number() => token_ids(input, "input"),
-        Value::Array(items) => {
-            let mut tokens = Vec::new();
-            for item in items {
-                tokens.extend(one_input(item, "input", tokenizer, add_special)?);
-            }
-            Ok(tokens)
-        }
-        other => one_input(other, "input", tokenizer, add_special),
+        Value::Array(items) if items[0].is_number() => Ok(vec![token_ids(input, "input")?]),
+        Value::Array(items) => items.iter().map(|item| one_input(item, "input", tokenizer, add_special)).collect(),
+        other => Ok(vec![one_input(other, "input", tokenizer, add_special)?]),
     }
 }
 

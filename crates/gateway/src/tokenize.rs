@@ -42,9 +42,10 @@ pub fn build(spec: &TokenizerSpec, cache_bytes: usize) -> Result<Arc<dyn PromptT
     })
 }
 
-/// Wants a prompt's ids only while every block of them so far is held by some worker
-/// ([`kvgate_tokenizer::routed`]): past the first block no worker holds, none holds any later
-/// block either, and the route is decided by the blocks before it.
+/// Wants a prompt's ids only while every block of them so far is held by some worker and some held
+/// block chains from the last of them ([`kvgate_tokenizer::routed`]): past the first block no
+/// worker holds, none holds any later block either, and the route is decided by the blocks before
+/// it.
 pub struct HeldPrefixProbe<'a> {
     router: &'a Router,
     hasher: BlockHasher,
@@ -97,15 +98,13 @@ impl RoutingProbe for HeldPrefixProbe<'_> {
             parent = self.hasher.block_key(parent, block);
             self.keys.push(parent);
         }
-        if self.keys.is_empty() {
-            return true;
-        }
-        // All of them in one look at the index.
-        let held = self.router.held_run(&self.keys);
-        if held < self.keys.len() {
+        // All of them in one look at the index, which also says whether a block after them may be
+        // held: when none chains from the last, the next text is not tokenized at all.
+        let run = self.router.held_run(self.last, &self.keys);
+        if !run.continues {
             return false;
         }
-        self.blocks += held;
+        self.blocks += run.blocks;
         self.last = parent;
         true
     }

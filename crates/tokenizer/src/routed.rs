@@ -18,7 +18,8 @@ use std::sync::Arc;
 /// Asked, as a prompt's ids come in from its start, whether routing needs more of them.
 pub trait RoutingProbe {
     /// `ids` is an exact prefix of the prompt's ids (special tokens put before it included), longer
-    /// at each call. False: the ids so far already decide the route; stop tokenizing.
+    /// at each call after the first, which comes before any text is tokenized. False: the ids so
+    /// far already decide the route; stop tokenizing.
     fn wants_more(&mut self, ids: &[u32]) -> bool;
 
     /// Asked before `bytes` of text the prompt cache does not hold are run through the tokenizer

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use kvgate_tokenizer::prompt_cache::{cut_points_with_tail, Chunking, PromptCache, SPLITTING_REGEXES};
+use kvgate_tokenizer::prompt_cache::{cut_points, cut_points_with_tail, Chunking, PromptCache, SPLITTING_REGEXES};
 use kvgate_tokenizer::{HfOptions, HfTokenizer, PromptTokenizer, RoutingProbe};
 use proptest::prelude::*;
 use serde_json::json;
@@ -157,6 +157,24 @@ proptest! {
         check_exact(tiny(), cache, &text)?;
     }
 
+    /// Prompts sharing a prefix, each run on into words of its own: the chunk where they part is
+    /// taken from the cached pieces of the prefix's tail and tokenized only from its first missing
+    /// piece, and the ids still equal a whole tokenization, stopped anywhere or not.
+    #[test]
+    fn prompts_parting_from_a_shared_prefix_equal_a_whole_tokenization(
+        prefix in prompt_text(DEEPSEEK_SPECIAL),
+        own in proptest::collection::vec(prompt_text(DEEPSEEK_SPECIAL), 1..6),
+        stop in 1usize..40,
+    ) {
+        let t = deepseek();
+        let cache = PromptCache::new(t.clone(), 1 << 20, HEADY).unwrap();
+        for words in &own {
+            let text = format!("{prefix}{words}");
+            check_exact(t, &cache, &text)?;
+            check_stopped_and_finished(t, &cache, &text, stop)?;
+        }
+    }
+
     /// Every trusted regex, as the only splitting stage before byte-level mapping, ends a piece at
     /// every cut, and pre-tokenizing the chunks one by one gives the pieces of the whole text.
     #[test]
@@ -203,6 +221,42 @@ fn the_real_tokenizers_are_cut_and_a_repeated_prefix_comes_from_the_cache() {
         assert!(hit_share > 0.8, "only {hit_share:.2} of the second prompt came from the cache: {after:?}");
         assert!(after.bytes <= after.capacity_bytes);
     }
+}
+
+/// A request whose own words hold a content-defined cut (about one in `one_in`) tokenizes about a
+/// piece of the shared text before them, not the whole chunk that ends in its words.
+#[test]
+fn a_cut_in_a_request_s_own_words_costs_a_piece_not_a_chunk() {
+    let t = deepseek();
+    let chunking = Chunking::default();
+    let cache = PromptCache::new(t.clone(), 1 << 20, chunking).unwrap();
+    let sentence = |i: usize| format!("word{} and more text here. ", i * 7919 % 1000);
+    let question = |prefix: &str, n: usize| format!("{prefix}question{n} about the text");
+    // A prefix whose last content-defined cut is far enough back for one to fall in a question,
+    // and that question.
+    let (prefix, parting) = (800..1000)
+        .map(|len| (0..len).map(sentence).collect::<String>())
+        .find_map(|prefix| {
+            // The chunk ending in the question is over a kilobyte: before the pieces were looked
+            // up, all of it was tokenized.
+            let cut_in_question = |n: &usize| match cut_points(&question(&prefix, *n), &chunking)[..] {
+                [.., before, last] => last > prefix.len() && last - before > 1024,
+                _ => false,
+            };
+            let n = (0..200).find(cut_in_question)?;
+            Some((prefix, n))
+        })
+        .expect("some prefix and question put a content-defined cut in the question");
+    let question = |n: usize| question(&prefix, n);
+    // The requests before it cached the prefix, its tail in pieces included.
+    for n in (0..parting).rev().take(4) {
+        assert_eq!(cache.encode(&question(n), false).unwrap().unwrap(), whole(t, &question(n), false));
+    }
+    let before = cache.stats();
+    let text = question(parting);
+    assert_eq!(cache.encode(&text, false).unwrap().unwrap(), whole(t, &text, false));
+    let missed = cache.stats().miss_bytes - before.miss_bytes;
+    assert!(missed < 200, "{missed} bytes tokenized for a request whose own words are 30 bytes");
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! ```text
 //!  BlockStored{hashes, parent, tokens} ──► per worker: engine hash ──► router BlockKey (refcounted)
 //!                                                                   │
-//!                                          holders: BlockKey ──► sorted [WorkerSlot]
+//!                                          holders: BlockKey ──► sorted [WorkerSlot], parent key
 //!  request keys k0 k1 k2 … ─────────────────────────────────────────┘ walk, narrowing the set
+//!                                          children: parent key ──► held keys chaining from it
 //! ```
 //!
 //! Every stored block is re-keyed with the router's own chained content hash ([`crate::hashing`]),
@@ -20,6 +21,10 @@
 //! | memory | O(blocks held, summed over workers) |
 //!
 //! Holder lists are sorted vectors: lookups merge them in one pass and most blocks have few holders.
+//!
+//! The child counts answer "may any block after this one be held?" without the next block's
+//! tokens: a prompt whose held run ends at a block no held block chains from needs no more ids to
+//! be routed (`kvgate_tokenizer::routed`), so its next text is not tokenized at all.
 
 mod worker_blocks;
 
@@ -36,6 +41,57 @@ use worker_blocks::WorkerBlocks;
 
 /// Workers holding one block, sorted by slot.
 type Holders = SmallVec<[WorkerSlot; 4]>;
+
+/// One block some worker holds: who, and the key it chains from (to count it off its parent's
+/// children when the last holder lets it go).
+#[derive(Debug, Clone)]
+struct Held {
+    parent: BlockKey,
+    holders: Holders,
+}
+
+/// The held blocks, and how many distinct held blocks chain from each key.
+#[derive(Debug, Default)]
+struct HeldBlocks {
+    blocks: FxHashMap<BlockKey, Held>,
+    children: FxHashMap<BlockKey, u32>,
+}
+
+impl HeldBlocks {
+    fn get(&self, key: &BlockKey) -> Option<&Holders> {
+        self.blocks.get(key).map(|h| &h.holders)
+    }
+
+    fn insert(&mut self, key: BlockKey, parent: BlockKey, slot: WorkerSlot) {
+        let held = self.blocks.entry(key).or_insert_with(|| {
+            *self.children.entry(parent).or_default() += 1;
+            Held { parent, holders: Holders::new() }
+        });
+        if let Err(pos) = held.holders.binary_search(&slot) {
+            held.holders.insert(pos, slot);
+        }
+    }
+
+    fn remove(&mut self, key: BlockKey, slot: WorkerSlot) {
+        let Some(held) = self.blocks.get_mut(&key) else {
+            return;
+        };
+        if let Ok(pos) = held.holders.binary_search(&slot) {
+            held.holders.remove(pos);
+        }
+        if !held.holders.is_empty() {
+            return;
+        }
+        let parent = held.parent;
+        self.blocks.remove(&key);
+        if let Some(n) = self.children.get_mut(&parent) {
+            *n -= 1;
+            if *n == 0 {
+                self.children.remove(&parent);
+            }
+        }
+    }
+}
 
 /// Keys an overlap walk looks up before merging any of them.
 const LOOKUP_RUN: usize = 16;
@@ -96,7 +152,7 @@ pub struct StoredRun {
 pub struct KvIndex {
     block_size: u32,
     max_blocks_per_worker: usize,
-    holders: FxHashMap<BlockKey, Holders>,
+    holders: HeldBlocks,
     workers: Vec<Option<WorkerBlocks>>,
     hasher: BlockHasher,
 }
@@ -113,7 +169,7 @@ impl KvIndex {
         KvIndex {
             block_size: block_size.max(1),
             max_blocks_per_worker,
-            holders: FxHashMap::default(),
+            holders: HeldBlocks::default(),
             workers: Vec::new(),
             hasher: BlockHasher::new(),
         }
@@ -176,7 +232,7 @@ impl KvIndex {
 
     /// Distinct blocks held by any worker.
     pub fn distinct_blocks(&self) -> usize {
-        self.holders.len()
+        self.holders.blocks.len()
     }
 
     /// Applies one worker's events in order.
@@ -266,7 +322,8 @@ impl KvIndex {
         };
         let mut stats = ApplyStats::default();
         for (hash, tokens) in ev.block_hashes.iter().zip(ev.token_ids.chunks_exact(block_size)) {
-            key = hasher.block_key(key, tokens);
+            let parent = key;
+            key = hasher.block_key(parent, tokens);
             // Both maps are bounded: distinct contents, and engine hashes (the same content stored
             // under ever new hashes grows only the second).
             let too_many_keys = worker.key_refs.len() >= cap && !worker.key_refs.contains_key(&key);
@@ -280,10 +337,10 @@ impl KvIndex {
             }
             let outcome = worker.map_engine_hash(*hash, key);
             if let Some(old) = outcome.released {
-                remove_holder(holders, old, slot);
+                holders.remove(old, slot);
             }
             if outcome.newly_held {
-                insert_holder(holders.entry(key).or_default(), slot);
+                holders.insert(key, parent, slot);
                 stats.blocks_stored += 1;
             }
         }
@@ -304,7 +361,7 @@ impl KvIndex {
         for hash in &ev.block_hashes {
             match worker.unmap_engine_hash(*hash) {
                 Some((key, true)) => {
-                    remove_holder(holders, key, slot);
+                    holders.remove(key, slot);
                     stats.blocks_removed += 1;
                 }
                 Some((_, false)) => {}
@@ -327,7 +384,7 @@ impl KvIndex {
         };
         let keys: Vec<BlockKey> = w.take_all();
         for key in keys {
-            remove_holder(&mut self.holders, key, slot);
+            self.holders.remove(key, slot);
         }
     }
 
@@ -388,7 +445,13 @@ impl KvIndex {
 
     /// Whether any worker holds block `key`.
     pub fn held_by_any(&self, key: BlockKey) -> bool {
-        self.holders.contains_key(&key)
+        self.holders.blocks.contains_key(&key)
+    }
+
+    /// Whether any worker holds a block that chains from `key` (a block key or a namespace's
+    /// root): if none does, no block after `key` in any prompt is held anywhere.
+    pub fn held_after(&self, key: BlockKey) -> bool {
+        self.holders.children.contains_key(&key)
     }
 
     /// Whether `slot` holds block `key`.
@@ -402,23 +465,6 @@ impl KvIndex {
 
     fn worker_mut(&mut self, slot: WorkerSlot) -> Option<&mut WorkerBlocks> {
         self.workers.get_mut(slot.index()).and_then(Option::as_mut)
-    }
-}
-
-fn insert_holder(holders: &mut Holders, slot: WorkerSlot) {
-    if let Err(pos) = holders.binary_search(&slot) {
-        holders.insert(pos, slot);
-    }
-}
-
-fn remove_holder(all: &mut FxHashMap<BlockKey, Holders>, key: BlockKey, slot: WorkerSlot) {
-    if let Some(holders) = all.get_mut(&key) {
-        if let Ok(pos) = holders.binary_search(&slot) {
-            holders.remove(pos);
-        }
-        if holders.is_empty() {
-            all.remove(&key);
-        }
     }
 }
 

@@ -245,6 +245,12 @@ impl Reference {
         }
         n as u32
     }
+
+    /// Whether any worker holds a block right after `tokens` (a whole number of blocks).
+    fn held_after(&self, tokens: &[u32]) -> bool {
+        let len = tokens.len() + BS as usize;
+        self.workers.iter().flat_map(|m| m.values()).any(|p| p.len() == len && p[..tokens.len()] == *tokens)
+    }
 }
 
 /// A random event stream over a small token alphabet so that prefixes collide often.
@@ -271,7 +277,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn index_never_reports_more_overlap_than_the_reference(
+    fn index_matches_the_reference_in_overlap_and_in_what_may_follow(
         ops in proptest::collection::vec(op_strategy(), 1..80),
         queries in proptest::collection::vec(proptest::collection::vec(0..2u32, 4..24), 1..6),
     ) {
@@ -299,6 +305,13 @@ proptest! {
                 prop_assert!(ours <= theirs, "worker {} query {:?}: index {} > reference {}", w, q, ours, theirs);
                 // With 64-bit keys a collision is out of reach here, so the index is also exact.
                 prop_assert_eq!(ours, theirs, "worker {} query {:?}", w, q);
+            }
+            // Whether a block after each of the query's block prefixes may be held.
+            let q_keys = keys(q);
+            for n in 0..=q_keys.len() {
+                let from = if n == 0 { Namespace::DEFAULT.root() } else { q_keys[n - 1] };
+                let theirs = reference.held_after(&q[..n * BS as usize]);
+                prop_assert_eq!(index.held_after(from), theirs, "after {} blocks of {:?}", n, q);
             }
         }
     }

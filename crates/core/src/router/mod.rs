@@ -69,6 +69,16 @@ pub struct RouteRequest<'a> {
     pub keys_cover_prompt: bool,
 }
 
+/// What [`Router::held_run`] found of a prompt's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldRun {
+    /// How many of the keys asked about, from the first, some worker holds.
+    pub blocks: usize,
+    /// All of them are held, and some held block chains from the last: the prompt's next block
+    /// may be held too.
+    pub continues: bool,
+}
+
 /// Which throughput an observation corrects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateKind {
@@ -345,11 +355,15 @@ impl Router {
         BlockHasher::new().prompt_keys(namespace, tokens, self.block_size as usize)
     }
 
-    /// How many of `keys`, from the first, some worker holds in any KV state: a prompt's blocks past
-    /// them earn no cache credit anywhere, so routing needs no ids beyond them.
-    pub fn held_run(&self, keys: &[BlockKey]) -> usize {
+    /// How many of `keys` (chained from `from`: the key before the first, or a namespace's root),
+    /// from the first, some worker holds in any KV state, and whether a block after them may be:
+    /// a prompt's blocks past the run earn no cache credit anywhere, so routing needs no ids
+    /// beyond them, and none past a run that nothing held chains from.
+    pub fn held_run(&self, from: BlockKey, keys: &[BlockKey]) -> HeldRun {
         let index = self.index.read();
-        keys.iter().take_while(|&&k| index.held_by_any(k)).count()
+        let blocks = keys.iter().take_while(|&&k| index.held_by_any(k)).count();
+        let continues = blocks == keys.len() && index.held_after(keys.last().copied().unwrap_or(from));
+        HeldRun { blocks, continues }
     }
 
     /// Moves a request's reservation from prefill to decode.

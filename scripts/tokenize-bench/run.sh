@@ -13,14 +13,19 @@
 # (workloads.py). Needs nginx and wrk (Debian: nginx-light, wrk), ../shared beside the checkout, and
 # the real-engine venv for the publisher (scripts/real-engines/setup.sh).
 # Usage: scripts/tokenize-bench/run.sh KVGATE_BIN TOKENIZER_JSON [SMG_BIN] [SECONDS] [CONNECTIONS]
+# WORKLOADS="shared-chat ..." runs only those workloads (all four by default); ROUNDS=R runs every
+# cell R times, the gateways' order rotated each round, and reports medians (1 by default).
 set -u
 here=$(cd "$(dirname "$0")" && pwd); root=$(cd "$here/../.." && pwd)
 KV=${1:?usage: run.sh KVGATE_BIN TOKENIZER_JSON [SMG_BIN] [SECONDS] [CONNECTIONS]}; TOK=${2:?tokenizer.json}
-SMG=${3:-}; D=${4:-8}; C=${5:-16}
+SMG=${3:-}; D=${4:-8}; C=${5:-16}; ROUNDS=${ROUNDS:-1}
 shared=$(cd "$root/../shared" && pwd) || { echo "../shared is missing" >&2; exit 1; }
 PY=$root/target/real-engines/venv/bin/python
 [ -x "$PY" ] || { echo "$PY is missing: run scripts/real-engines/setup.sh" >&2; exit 1; }
 S=$(mktemp -d); UP=39301; PX=39302; KVP=39303
+for port in $UP $PX $KVP 39310 29311 39311 39312 39313; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then echo "port $port is in use: is an earlier run still stopping?" >&2; exit 1; fi
+done
 python3 "$shared/tools/tokenize-bench/make_workloads.py" "$S" || exit 1
 python3 "$here/workloads.py" "$S" || exit 1
 sed -e "s#SCRATCH#$S#g" -e "s#UPSTREAM#$UP#g" -e "s#PROXY#$PX#g" "$shared/tools/proxy-bench/nginx.conf.template" \
@@ -28,7 +33,13 @@ sed -e "s#SCRATCH#$S#g" -e "s#UPSTREAM#$UP#g" -e "s#PROXY#$PX#g" "$shared/tools/
 nginx -c "$S/nginx.conf" || exit 1
 pids=(); names=(); ports=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  # SMG takes a while to stop; one still stopping holds its ports against the next run's.
+  for p in "${pids[@]}"; do pkill -P "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
+  for _ in $(seq 50); do
+    alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break; sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
   kill "$(cat "$S/nginx.pid")" 2>/dev/null
 }
 trap cleanup EXIT
@@ -75,12 +86,34 @@ grep -q joined "$S/publisher.log" || { echo "kvgate-held never subscribed to the
 sleep 1
 blocks=$(curl -s http://127.0.0.1:39313/metrics | awk '/^kvgate_engine_blocks_held/{n+=$NF} END{print n+0}')
 echo "kvgate-held's index holds $blocks blocks of the shared prefixes"
-for w in shared-completion shared-chat unique-completion growing-chat; do
-  for k in "${!ports[@]}"; do
-    timeout $((D + 30)) wrk -t1 -c"$C" -d"${D}s" --latency -s "$S/$w.lua" "http://127.0.0.1:${ports[$k]}/" |
-      awk -v n="${names[$k]}" -v w="$w" '/ 50%/{p50=$2} / 99%/{p99=$2} /Requests\/sec/{r=$2} /Non-2xx/{e=$NF} END{printf "%-18s %-16s req/s %9s  p50 %9s  p99 %9s  non-2xx %s\n", w, n, r, p50, p99, (e==""?0:e)}'
+# Each round runs every workload on every gateway, the gateways' order rotated a place a round;
+# the table gives each cell's median over the rounds (these machines are noisy).
+n=${#ports[@]}
+for r in $(seq "$ROUNDS"); do
+  for w in ${WORKLOADS:-shared-completion shared-chat unique-completion growing-chat}; do
+    for i in $(seq 0 $((n - 1))); do
+      k=$(((i + r - 1) % n))
+      timeout $((D + 30)) wrk -t1 -c"$C" -d"${D}s" --latency -s "$S/$w.lua" "http://127.0.0.1:${ports[$k]}/" |
+        awk -v n="${names[$k]}" -v w="$w" -v r="$r" '
+          function ms(v) { if (v ~ /us$/) return v / 1000; if (v ~ /ms$/) return v + 0; if (v ~ /s$/) return v * 1000; return v }
+          / 50%/{p50=ms($2)} / 99%/{p99=ms($2)} /Requests\/sec/{q=$2} /Non-2xx/{e=$NF}
+          END{printf "%s %s %s %.0f %.2f %.2f %d\n", r, w, n, q, p50, p99, (e==""?0:e)}' | tee -a "$S/cells.txt"
+    done
   done
 done
+echo "medians over $ROUNDS round(s): workload, gateway, req/s (over SMG's), p50 ms, p99 ms, non-2xx"
+python3 - "$S/cells.txt" <<'PYEOF'
+import statistics, sys
+cells = {}
+for line in open(sys.argv[1]):
+    _, w, n, q, p50, p99, e = line.split()
+    cells.setdefault((w, n), []).append((float(q), float(p50), float(p99), int(e)))
+med = {k: [statistics.median(x[i] for x in v) for i in range(3)] + [sum(x[3] for x in v)] for k, v in cells.items()}
+for (w, n), (q, p50, p99, e) in med.items():
+    smg = med.get((w, "smg-cache_aware"))
+    ratio = f" ({q / smg[0]:.2f}x)" if smg and n != "smg-cache_aware" else ""
+    print(f"{w:<18} {n:<16} {q:>8.0f}{ratio:<9} p50 {p50:6.2f}  p99 {p99:6.2f}  non-2xx {e}")
+PYEOF
 for port in 39311 39312 39313; do
-  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^kvgate_tokenize_(partial_prompts|estimate_ratio_(sum|count))" | sed "s/^/  port $port: /"
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^kvgate_tokenize_(partial_prompts|estimate_ratio_(sum|count)|cache_(hits|misses|miss_bytes)_total)" | sed "s/^/  port $port: /"
 done

@@ -101,5 +101,5 @@ pub use load::{CountEstimate, LoadSnapshot};
 pub use outbox::{BatchWindows, Outbox, OutboxWake};
 pub use policy::{Mode, PolicyConfig, PolicyName, PolicyPatch};
 pub use replicas::{HeldReservation, PeerApply, PeerStatus, ReservationChange};
-pub use router::{DecideError, HeldRun, RateKind, RouteRequest, Router, BLOCK_SIZE};
+pub use router::{DecideError, RateKind, RouteRequest, Router, BLOCK_SIZE};
 pub use time::Timestamp;

@@ -100,11 +100,10 @@ impl RoutingProbe for HeldPrefixProbe<'_> {
         }
         // All of them in one look at the index, which also says whether a block after them may be
         // held: when none chains from the last, the next text is not tokenized at all.
-        let run = self.router.held_run(self.last, &self.keys);
-        if !run.continues {
+        if !self.router.may_hold_more(self.last, &self.keys) {
             return false;
         }
-        self.blocks += run.blocks;
+        self.blocks += self.keys.len();
         self.last = parent;
         true
     }

@@ -69,16 +69,6 @@ pub struct RouteRequest<'a> {
     pub keys_cover_prompt: bool,
 }
 
-/// What [`Router::held_run`] found of a prompt's blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeldRun {
-    /// How many of the keys asked about, from the first, some worker holds.
-    pub blocks: usize,
-    /// All of them are held, and some held block chains from the last: the prompt's next block
-    /// may be held too.
-    pub continues: bool,
-}
-
 /// Which throughput an observation corrects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateKind {
@@ -355,15 +345,13 @@ impl Router {
         BlockHasher::new().prompt_keys(namespace, tokens, self.block_size as usize)
     }
 
-    /// How many of `keys` (chained from `from`: the key before the first, or a namespace's root),
-    /// from the first, some worker holds in any KV state, and whether a block after them may be:
-    /// a prompt's blocks past the run earn no cache credit anywhere, so routing needs no ids
-    /// beyond them, and none past a run that nothing held chains from.
-    pub fn held_run(&self, from: BlockKey, keys: &[BlockKey]) -> HeldRun {
+    /// Whether a prompt whose next blocks are `keys` (chained from `from`: the key before the first,
+    /// or a namespace's root) may earn cache credit past them: every one of them is held by some
+    /// worker in any KV state, and some held block chains from the last. If not, routing needs no
+    /// ids beyond them: blocks past the first that nobody holds earn no credit anywhere.
+    pub fn may_hold_more(&self, from: BlockKey, keys: &[BlockKey]) -> bool {
         let index = self.index.read();
-        let blocks = keys.iter().take_while(|&&k| index.held_by_any(k)).count();
-        let continues = blocks == keys.len() && index.held_after(keys.last().copied().unwrap_or(from));
-        HeldRun { blocks, continues }
+        keys.iter().all(|&k| index.held_by_any(k)) && index.held_after(keys.last().copied().unwrap_or(from))
     }
 
     /// Moves a request's reservation from prefill to decode.

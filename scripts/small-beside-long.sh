@@ -5,7 +5,9 @@
 # what --tokenize-whole or a gRPC worker costs); ROUTED=1 keeps it on, and the long prompts are
 # tokenized only as far as routing needs. Needs nginx and wrk (Debian: nginx-light, wrk) and
 # ../shared beside the checkout.
-# Usage: [ROUTED=1] scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
+# Usage: [ROUTED=1] [ROUNDS=R] scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
+# Each round measures the small request alone, then beside the long prompts; with ROUNDS (default
+# 2) over 2 it ends with the medians over the rounds.
 set -u
 KV=${1:?usage: small-beside-long.sh KVGATE_BIN TOKENIZER_JSON}; TOK=${2:?tokenizer.json}
 shared=$(cd "$(dirname "$0")/../../shared" && pwd) || { echo "../shared is missing" >&2; exit 1; }
@@ -28,14 +30,23 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.body = '{"model":"fake-model","messages":[{"role":"user","content":"Say hello in one short sentence."}],"max_tokens":8}'
 wrk.path = "/v1/chat/completions"
 LUA
-small() { wrk -t1 -c4 -d8s --latency -s "$S/small.lua" http://127.0.0.1:39210/ | awk -v n="$1" '/ 50%/{p50=$2} / 99%/{p99=$2} /Requests\/sec/{r=$2} END{printf "%-34s req/s %9s  p50 %9s  p99 %9s\n", n, r, p50, p99}'; }
-for round in 1 2; do
+# wrk prints latencies with units; the summary wants milliseconds.
+ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us$/,"",v); v/=1000} else if (v ~ /ms$/) {sub(/ms$/,"",v)} else if (v ~ /s$/) {sub(/s$/,"",v); v*=1000} printf "%.3f\n", v}'; }
+small() { wrk -t1 -c4 -d8s --latency -s "$S/small.lua" http://127.0.0.1:39210/ | awk -v n="$1" '/ 50%/{p50=$2} / 99%/{p99=$2} /Requests\/sec/{r=$2} END{printf "%-34s req/s %9s  p50 %9s  p99 %9s\n", n, r, p50, p99}' | tee -a "$S/small.out"; }
+for round in $(seq "${ROUNDS:-2}"); do
   small "small alone"
   wrk -t1 -c16 -d12s -s "$S/unique-completion.lua" http://127.0.0.1:39210/ > "$S/big.out" 2>&1 &
   big=$!
   sleep 2
   small "small beside 32 KB prompts (misses)"
   wait $big
-  awk '/Requests\/sec/{print "  32 KB prompts meanwhile: req/s " $2}' "$S/big.out"
+  awk '/Requests\/sec/{print "  32 KB prompts meanwhile: req/s " $2}' "$S/big.out" | tee -a "$S/small.out"
 done
+median() { sort -n | awk '{v[NR]=$1} END{print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
+if [ "${ROUNDS:-2}" -gt 2 ]; then
+  alone=$(grep '^small alone' "$S/small.out" | awk '{print $NF}' | ms | median)
+  beside=$(grep '^small beside' "$S/small.out" | awk '{print $NF}' | ms | median)
+  long=$(grep 'prompts meanwhile' "$S/small.out" | awk '{print $NF}' | median)
+  echo "medians over ${ROUNDS} rounds: small p99 alone $alone ms, beside $beside ms (+$(awk -v a="$alone" -v b="$beside" 'BEGIN{printf "%.2f", b-a}') ms); long prompts $long req/s"
+fi
 kill $kv; kill "$(cat "$S/nginx.pid")"

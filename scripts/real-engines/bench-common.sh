@@ -94,6 +94,16 @@ start_router() {
         --tokenizer "$model/tokenizer.json" --policy projected --mode "${cfg#kvgate-}" --admission-wait-s 0 \
         "${workers[@]}" > "$log" 2>&1 &
       ;;
+    smg-cache_aware-unguarded)
+      # SMG 1.13's cache_aware with the two guards 1.13 ships against a hot owner switched off: the
+      # spill gate (its margin capped at the pool's natural swing, so a 4-engine pool spills at a
+      # few requests over the mean) made unreachable, and worker overload protection (a worker
+      # with 8 waiting requests left out) disabled. What is left is the policy that pins a
+      # matched prefix to its owner, as the incident's fleet saw it.
+      target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
+        --worker-urls "${urls[@]}" --policy cache_aware --balance-rel-threshold 1000000 \
+        --disable-worker-overload-protection "${smg_grpc[@]}" --log-level warn > "$log" 2>&1 &
+      ;;
     smg-*)
       target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
         --worker-urls "${urls[@]}" --policy "${cfg#smg-}" "${smg_grpc[@]}" --log-level warn > "$log" 2>&1 &

@@ -15,7 +15,8 @@
 #   TIME_SCALE  the trace's timestamps are divided by this (default 2: about 5.5 requests/s, more than
 #               the 4 engines on 2 cores keep up with, so queues form)
 #   REPEATS     rounds over the configs, each round in a rotated order (default 3)
-#   CONFIGS     comma-separated from kvgate-enforce, kvgate-off, smg-cache_aware, smg-round_robin
+#   CONFIGS     comma-separated from kvgate-enforce, kvgate-off, smg-cache_aware, smg-round_robin,
+#               smg-cache_aware-unguarded (bench-common.sh)
 #               (default: all four)
 # Env TRANSPORT=grpc runs the engines as gRPC workers (SMG's worker protocol) and both routers reach
 # them over it; the engines' hit rate then comes from the responses' usage as aiperf totals it

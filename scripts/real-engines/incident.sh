@@ -11,7 +11,8 @@
 #            owner holds about 9 of the burst's requests at once, so a burst queues there)
 #   REPEATS  rounds over the configs, each round in a rotated order (default 2)
 #   CONFIGS  comma-separated from kvgate-enforce, kvgate-off, kvgate-shadow, smg-cache_aware,
-#            smg-round_robin (default: kvgate-enforce,kvgate-off,smg-cache_aware)
+#            smg-cache_aware-unguarded (its 1.13 guards against a hot owner off: see
+#            bench-common.sh), smg-round_robin (default: kvgate-enforce,kvgate-off,smg-cache_aware)
 # Env: RUNTIME (vllm|sglang), TRANSPORT (http, or grpc: the engines run as gRPC workers, SMG's
 # protocol, as the incident's fleet did; their hit rate is then the one their responses report, and
 # each one's share is counted from its servicer's log), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4),

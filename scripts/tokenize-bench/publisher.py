@@ -1,8 +1,8 @@
 """A stand-in engine that holds a prompt's prefix in its KV cache, for scripts/tokenize-bench/run.sh.
 
 Publishes vLLM's map-form BlockStored for the given token ids on a ZMQ XPUB socket: seq 0 as soon as
-a subscriber joins (so kvgate sees no gap), then the same blocks again every 200 ms (storing them
-again changes nothing, and the stream stays live).
+a subscriber joins (so kvgate sees no gap), then an empty batch every 200 ms, so the stream stays
+live without the gateway re-reading thousands of blocks during the measurement.
 Usage: publisher.py ENDPOINT BLOCK_SIZE TOKENS_JSON...  (each kvgate's /admin/tokenize answer for
 one prompt, stored as its own sequence)
 """
@@ -30,7 +30,7 @@ while socket.recv()[:1] != b"\x01":  # a subscription
 print(f"subscriber joined: publishing {sum(len(e['block_hashes']) for e in events)} blocks", flush=True)
 seq = 0
 while True:
-    payload = msgspec.msgpack.encode([time.time(), events, None])
+    payload = msgspec.msgpack.encode([time.time(), events if seq == 0 else [], None])
     socket.send_multipart([b"kv", struct.pack(">Q", seq), payload])
     seq += 1
     time.sleep(0.2)

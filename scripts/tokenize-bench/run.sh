@@ -5,7 +5,8 @@
 #   kvgate-routed  tokenizes only as far as routing needs; no engine holds anything here, so that
 #                  is up to the first block (a stand-in for a fleet that has not seen the prompts)
 #   kvgate-held    the same, with a stand-in engine (publisher.py) holding the shared prefix's
-#                  blocks, so the cached prefix is tokenized through (from the prompt cache)
+#                  blocks and every growing conversation's, so the held part is tokenized through
+#                  (from the prompt cache): for growing-chat, every request's whole prompt
 #   kvgate-whole   every prompt tokenized whole through the prompt cache (--tokenize-whole: what a
 #                  gRPC worker, which takes every id, costs)
 # Workloads: the shared tokenize bench's (a 32 KB prefix shared by all with a unique question, as
@@ -72,12 +73,15 @@ p = sys.argv[1]
 print(json.dumps({"prompt": p + " question 1 about the text"}))
 print(json.dumps({"messages": [{"role": "system", "content": p}, {"role": "user", "content": "question 1 about the text"}]}))
 PYEOF
-k=0
+# And each growing conversation's longest request, which every shorter one of it starts with.
+cat "$S/growing-held-bodies.txt" >> "$S/held-bodies.txt"
+k=0; held=()
 while read -r body; do
   k=$((k + 1))
   curl -s -H 'content-type: application/json' -d "$body" http://127.0.0.1:39311/admin/tokenize > "$S/held-$k.json"
+  held+=("$S/held-$k.json")
 done < "$S/held-bodies.txt"
-"$PY" "$here/publisher.py" "tcp://127.0.0.1:$KVP" 16 "$S/held-1.json" "$S/held-2.json" > "$S/publisher.log" 2>&1 &
+"$PY" "$here/publisher.py" "tcp://127.0.0.1:$KVP" 16 "${held[@]}" > "$S/publisher.log" 2>&1 &
 pids+=($!)
 up kvgate-held 39313 --worker "http://127.0.0.1:$UP,engine=vllm,kv_events=tcp://127.0.0.1:$KVP"
 ready 39313 || exit 1
@@ -85,7 +89,8 @@ for _ in $(seq 40); do grep -q joined "$S/publisher.log" && break; sleep 0.25; d
 grep -q joined "$S/publisher.log" || { echo "kvgate-held never subscribed to the stand-in engine" >&2; exit 1; }
 sleep 1
 blocks=$(curl -s http://127.0.0.1:39313/metrics | awk '/^kvgate_engine_blocks_held/{n+=$NF} END{print n+0}')
-echo "kvgate-held's index holds $blocks blocks of the shared prefixes"
+echo "kvgate-held's index holds $blocks blocks of the shared prefixes and the conversations"
+[ "$blocks" -gt 0 ] || { echo "kvgate-held holds no block: the stand-in engine's events never arrived" >&2; exit 1; }
 # Each round runs every workload on every gateway, the gateways' order rotated a place a round;
 # the table gives each cell's median over the rounds (these machines are noisy).
 n=${#ports[@]}

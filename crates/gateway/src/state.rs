@@ -16,7 +16,7 @@ use crate::config::{GatewayConfig, WorkerSpec};
 use crate::metrics::Metrics;
 use crate::registry::{EngineContext, EngineHandle, EngineRegistry, EngineSettings};
 use crate::replicas::{Replicas, SharingContext};
-use crate::tokenize::PromptTokenizer;
+use crate::tokenize::{PromptTokenizer, TokenizePool};
 use crate::GatewayError;
 
 /// One entry of the decision log.
@@ -69,9 +69,9 @@ pub struct AppState {
     pub engines: Arc<EngineRegistry>,
     /// Prompt tokenizer.
     pub tokenizer: Arc<dyn PromptTokenizer>,
-    /// Large prompts tokenized at once on the blocking pool: one fewer than the cores (at least
-    /// one), so the async workers that serve every other connection always have a core.
-    pub tokenize_slots: Arc<tokio::sync::Semaphore>,
+    /// The threads large prompts are tokenized on: one fewer than the cores (at least one), at a
+    /// lower priority, so the async workers that serve every other connection always come first.
+    pub tokenize_pool: TokenizePool,
     /// HTTP client for engines.
     pub http: reqwest::Client,
     /// Prometheus metrics.
@@ -127,6 +127,8 @@ impl AppState {
             .pool_max_idle_per_host(if config.upstream_keepalive.is_zero() { 0 } else { usize::MAX })
             .build()
             .map_err(|e| GatewayError::Config(format!("http client: {e}")))?;
+        let tokenize_pool = TokenizePool::for_this_machine()
+            .map_err(|e| GatewayError::Io(std::io::Error::other(format!("starting the tokenizing threads: {e}"))))?;
         let clock = Clock::start();
         let metrics = Arc::new(Metrics::new());
         let replicas = Arc::new(Replicas::new(config.replicas.clone(), metrics.replicas.clone()));
@@ -137,9 +139,7 @@ impl AppState {
             clock,
             engines: Arc::new(EngineRegistry::default()),
             tokenizer,
-            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)),
-            )),
+            tokenize_pool,
             http,
             metrics,
             replicas,

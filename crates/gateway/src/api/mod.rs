@@ -180,7 +180,7 @@ async fn drop_rest(body: &mut Body, limit: usize) {
     }
 }
 
-/// Bodies above this size are tokenized on the blocking pool, so that no other connection waits
+/// Bodies above this size are tokenized on the tokenizing threads, so that no other connection waits
 /// behind them: a real BPE tokenizer takes about 12 ms for 32 KB of text (issue 33's
 /// measurement), so 4 KiB holds an async worker for a millisecond or two at most. Smaller bodies
 /// are cheaper to tokenize in place than to hand to another thread.
@@ -188,7 +188,7 @@ const INLINE_TOKENIZE_BYTES: usize = 4 * 1024;
 
 /// Text the tokenizer may run on in a first try on the async worker, when only cached pieces and
 /// about a block's worth of new text are expected: a 64-byte head piece, a question after a cached
-/// prefix. About 0.3 ms of BPE at most; anything longer is tokenized on the blocking pool.
+/// prefix. About 0.3 ms of BPE at most; anything longer is tokenized on the tokenizing threads.
 const INLINE_TOKENIZE_MISS_BYTES: usize = 1024;
 
 /// Tokenizing a large prompt is CPU work: keep it off the async workers.
@@ -202,7 +202,7 @@ pub(crate) async fn parse_off_thread(
         return parse_for_routing(state, endpoint, &value, None).map_err(|(e, _)| e);
     }
     // Routed on its start, a long prompt often needs only cached pieces and a little new text:
-    // try that here, and hand the rest to the blocking pool only if it turns out longer. What the
+    // try that here, and hand the rest to the tokenizing threads only if it turns out longer. What the
     // try tokenized stays in the prompt cache.
     if state.tokenizer.tokenizes_partially() {
         match parse_for_routing(state, endpoint, &value, Some(INLINE_TOKENIZE_MISS_BYTES)) {
@@ -210,16 +210,14 @@ pub(crate) async fn parse_off_thread(
             done => return done.map_err(|(e, _)| e),
         }
     }
-    // Waits (asynchronously) for a slot: 16 connections tokenizing 32 KB prompts at once on 2 cores
-    // starved the async workers, and a small request's p99 went from 0.7 ms to 23-29 ms.
-    let slot = state.tokenize_slots.clone().acquire_owned().await.map_err(|_| ApiError::Internal)?;
+    // On the tokenizing threads, in turn: 16 connections tokenizing 32 KB prompts at once on 2
+    // cores starved the async workers, and a small request's p99 went from 0.7 ms to 23-29 ms.
     let s = state.clone();
-    tokio::task::spawn_blocking(move || {
-        let _slot = slot;
-        parse_for_routing(&s, endpoint, &value, None).map_err(|(e, _)| e)
-    })
-    .await
-    .map_err(|_| ApiError::Internal)?
+    state
+        .tokenize_pool
+        .run(move || parse_for_routing(&s, endpoint, &value, None).map_err(|(e, _)| e))
+        .await
+        .map_err(|_| ApiError::Internal)?
 }
 
 /// Reads a request, tokenizing its prompt only as far as routing needs where that is safe

@@ -175,36 +175,32 @@ async fn route(
     }
 }
 
-/// Tokenizes what routing left of the prompt, on the blocking pool like the rest of it.
+/// Tokenizes what routing left of the prompt, on the tokenizing threads like the rest of it.
 async fn finish_off_thread(state: &Arc<AppState>, mut parsed: Parsed) -> Result<Parsed, ApiError> {
-    let slot = state.tokenize_slots.clone().acquire_owned().await.map_err(|_| ApiError::Internal)?;
     let s = state.clone();
-    tokio::task::spawn_blocking(move || {
-        let _slot = slot;
-        parsed
-            .finish(s.tokenizer.as_ref())
-            .map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
-        Ok(parsed)
-    })
-    .await
-    .map_err(|_| ApiError::Internal)?
+    state
+        .tokenize_pool
+        .run(move || {
+            parsed
+                .finish(s.tokenizer.as_ref())
+                .map_err(|e| ApiError::InvalidRequest { param: None, message: e.to_string() })?;
+            Ok(parsed)
+        })
+        .await
+        .map_err(|_| ApiError::Internal)?
 }
 
 /// At most once per `tokenize_check_interval_ms`, tokenizes a partial prompt's rest after all, off
-/// the request path and only when a tokenizing slot is free, and records how far the estimate was
-/// off.
+/// the request path and only when a tokenizing thread is free, and records how far the estimate
+/// was off.
 fn check_estimate(state: &Arc<AppState>, rest: &kvgate_tokenizer::Untokenized) {
     let metrics = &state.metrics.tokenize_cache;
     let interval = state.config.tokenize_check_interval.as_micros() as u64;
     if !metrics.check_now(state.clock.now().as_micros(), interval) {
         return;
     }
-    let Ok(slot) = state.tokenize_slots.clone().try_acquire_owned() else {
-        return;
-    };
     let (s, rest) = (state.clone(), rest.clone());
-    tokio::task::spawn_blocking(move || {
-        let _slot = slot;
+    state.tokenize_pool.run_if_idle(move || {
         if let Ok(ids) = s.tokenizer.finish(&rest) {
             let ratio = rest.estimated_tokens as f64 / ids.len().max(1) as f64;
             s.metrics.tokenize_cache.estimate_ratio.observe(ratio);

@@ -6,6 +6,9 @@ use kvgate_core::router::Router;
 use kvgate_core::{BlockHasher, BlockKey, Namespace};
 pub use kvgate_tokenizer::*;
 
+mod pool;
+pub use pool::{PoolError, TokenizePool, TOKENIZE_NICE};
+
 use crate::config::TokenizerSpec;
 
 /// Builds the configured tokenizer, with `cache_bytes` for its prompt cache (HuggingFace ones).

@@ -4,7 +4,7 @@
 # fleet (cold caches), configs interleaved and repeated. Reports TTFT p50/p90/p99, end-to-end p50,
 # the owner's share of each burst, each engine's share and peak waiting queue (from its own
 # /metrics), and the engines' prefix-cache hit rate. Not part of CI; results go in
-# docs/benchmarks-fleets.md.
+# docs/benchmarks-incident.md.
 #
 # Usage: scripts/real-engines/incident.sh [ENGINES] [REPEATS] [CONFIGS]
 #   ENGINES  engines (default 4; about 3 GB each), each with KV_TOKENS of KV (default 8192: the

@@ -29,7 +29,6 @@ pub enum PoolError {
 /// A fixed set of low-priority threads for tokenizing, FIFO.
 pub struct TokenizePool {
     pool: rayon::ThreadPool,
-    threads: usize,
     /// Jobs handed over and not yet finished, queued or running.
     pending: Arc<AtomicUsize>,
 }
@@ -47,7 +46,7 @@ impl TokenizePool {
             .panic_handler(|_| tracing::error!("a tokenizing job panicked; its request gets a 500"))
             .build()
             .map_err(std::io::Error::other)?;
-        Ok(TokenizePool { pool, threads, pending: Arc::new(AtomicUsize::new(0)) })
+        Ok(TokenizePool { pool, pending: Arc::new(AtomicUsize::new(0)) })
     }
 
     /// One fewer thread than the cores (at least one), so the async workers always have a core.
@@ -58,7 +57,7 @@ impl TokenizePool {
 
     /// How many threads it has.
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.current_num_threads()
     }
 
     /// Runs `job` on a pool thread once the jobs handed over before it have started, and returns
@@ -85,7 +84,7 @@ impl TokenizePool {
     where
         F: FnOnce() + Send + 'static,
     {
-        if self.pending.load(Ordering::Acquire) >= self.threads {
+        if self.pending.load(Ordering::Acquire) >= self.threads() {
             return false;
         }
         let pending = Pending::count(&self.pending);

@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvgate_tokenizer::prompt_cache::{Chunking, PromptCache};
+use kvgate_tokenizer::prompt_cache::{cut_points_with_tail, Chunking, PromptCache};
 use tokenizers::Tokenizer;
 
 const PROMPT_BYTES: usize = 32_000;
@@ -88,6 +88,15 @@ fn bench(c: &mut Criterion) {
             black_box(tokenizer.encode_fast(prompt.as_str(), true).unwrap().get_ids().len())
         })
     });
+    // The fixed cost of one call into the tokenizer, on a question's worth of new text.
+    let question = "What does the second paragraph say about the cache, in one sentence?";
+    g.bench_function("short_text_85_bytes", |b| {
+        b.iter(|| black_box(tokenizer.encode_fast(question, false).unwrap().get_ids().len()))
+    });
+
+    // Only finding where the prompt is cut, which every request does over its whole prompt.
+    let prompt = format!("{prefix} question about the text");
+    g.bench_function("cut_points", |b| b.iter(|| black_box(cut_points_with_tail(&prompt, &Chunking::default()).len())));
     g.finish();
 
     // A transcript that grows by a turn: all but the last turn was tokenized by the turn before.

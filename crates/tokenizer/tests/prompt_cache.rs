@@ -230,23 +230,25 @@ fn a_cut_in_a_request_s_own_words_costs_a_piece_not_a_chunk() {
     let t = deepseek();
     let chunking = Chunking::default();
     let cache = PromptCache::new(t.clone(), 1 << 20, chunking).unwrap();
-    let sentence = |i: usize| format!("word{} and more text here. ", i * 7919 % 1000);
     let question = |prefix: &str, n: usize| format!("{prefix}question{n} about the text");
-    // A prefix whose last content-defined cut is far enough back for one to fall in a question,
-    // and that question.
-    let (prefix, parting) = (800..1000)
-        .map(|len| (0..len).map(sentence).collect::<String>())
-        .find_map(|prefix| {
-            // The chunk ending in the question is over a kilobyte: before the pieces were looked
-            // up, all of it was tokenized.
-            let cut_in_question = |n: &usize| match cut_points(&question(&prefix, *n), &chunking)[..] {
-                [.., before, last] => last > prefix.len() && last - before > 1024,
-                _ => false,
-            };
-            let n = (0..200).find(cut_in_question)?;
-            Some((prefix, n))
-        })
-        .expect("some prefix and question put a content-defined cut in the question");
+    // Varied sentences, where content-defined cuts fall, then over a kilobyte of one word
+    // repeated, one whose context never cuts (found by trying), so that the last cut before the
+    // question is far back, then the question.
+    let varied: String = (0..100).map(|i| format!("word{} and more{i} text here. ", i * 7919 % 1000)).collect();
+    let last_cut = |text: &str| cut_points(text, &chunking).last().copied();
+    assert!(last_cut(&varied).is_some(), "the varied sentences hold a content-defined cut");
+    let prefix = ["lorem", "ipsum", "dolor", "amet", "magna", "aliqua", "tempor", "labore", "veniam", "nostrud"]
+        .iter()
+        .map(|word| format!("{varied}{}", format!("{word} ").repeat(1200 / (word.len() + 1))))
+        .find(|prefix| last_cut(prefix) == last_cut(&varied))
+        .expect("some repeated word is never cut after");
+    // The chunk ending in the question is over a kilobyte: before the pieces were looked up, all
+    // of it was tokenized.
+    let cut_in_question = |n: &usize| match cut_points(&question(&prefix, *n), &chunking)[..] {
+        [.., before, last] => last > prefix.len() && last - before > 1024,
+        _ => false,
+    };
+    let parting = (0..200).find(cut_in_question).expect("some question holds a content-defined cut");
     let question = |n: usize| question(&prefix, n);
     // The requests before it cached the prefix, its tail in pieces included.
     for n in (0..parting).rev().take(4) {

@@ -128,18 +128,17 @@ impl EmbedAsk {
     }
 }
 
-/// Each input's ids, as parsed.
-fn inputs(parsed: &Parsed) -> Vec<Vec<u32>> {
-    let mut at = 0;
-    parsed
-        .input_lengths
-        .iter()
-        .map(|&n| {
-            let ids = parsed.tokens[at..(at + n).min(parsed.tokens.len())].to_vec();
-            at += n;
-            ids
-        })
-        .collect()
+/// Each input's ids, as parsed: `None` when the inputs' lengths do not add up to the ids the
+/// parse kept (a parser bug, answered as an error rather than a wrong vector or a panic).
+fn inputs(parsed: &Parsed) -> Option<Vec<Vec<u32>>> {
+    let mut at = 0usize;
+    let mut split = Vec::with_capacity(parsed.input_lengths.len());
+    for &n in &parsed.input_lengths {
+        let end = at.checked_add(n)?;
+        split.push(parsed.tokens.get(at..end)?.to_vec());
+        at = end;
+    }
+    (at == parsed.tokens.len()).then_some(split)
 }
 
 /// Every input's embedding, asked for at once (the worker batches them). `request_id` names them
@@ -150,8 +149,14 @@ pub(super) async fn embed_all(
     request_id: &str,
     timeout: Duration,
 ) -> Result<Vec<Embedding>, Status> {
-    let asked =
-        inputs(parsed).into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
+    let Some(split) = inputs(parsed) else {
+        return Err(Status::internal(format!(
+            "the embeddings inputs' lengths ({} in all) do not match the {} token ids parsed",
+            parsed.input_lengths.iter().sum::<usize>(),
+            parsed.tokens.len()
+        )));
+    };
+    let asked = split.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
     futures_util::future::try_join_all(asked).await
 }
 
@@ -335,17 +340,27 @@ mod tests {
         assert_eq!(back, vec![0.1, -2.5]);
     }
 
-    #[test]
-    fn each_input_gets_its_own_ids() {
-        let parsed = Parsed {
+    fn parsed(input_lengths: Vec<usize>) -> Parsed {
+        Parsed {
             tokens: vec![1, 2, 3, 4],
             rest: None,
             max_tokens: 0,
             stream: false,
             model: None,
             cache_salt: None,
-            input_lengths: vec![3, 1],
-        };
-        assert_eq!(inputs(&parsed), vec![vec![1, 2, 3], vec![4]]);
+            input_lengths,
+        }
+    }
+
+    #[test]
+    fn each_input_gets_its_own_ids() {
+        assert_eq!(inputs(&parsed(vec![3, 1])), Some(vec![vec![1, 2, 3], vec![4]]));
+    }
+
+    #[test]
+    fn lengths_that_do_not_add_up_are_refused_not_sliced() {
+        for lengths in [vec![3, 3], vec![5], vec![2, 1], vec![usize::MAX, 1]] {
+            assert_eq!(inputs(&parsed(lengths.clone())), None, "{lengths:?}");
+        }
     }
 }

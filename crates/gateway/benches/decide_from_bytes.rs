@@ -170,6 +170,25 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
+    // A conversation of 24 turns of ~1 KB after a 2 KB system prompt, all of it held (the tokenize
+    // bench's growing-chat with its stand-in engine): every request is rendered and tokenized
+    // through to its end, from the cache.
+    let turns: Vec<serde_json::Value> =
+        std::iter::once(serde_json::json!({"role": "system", "content": window(&text, 0, 2000)}))
+            .chain((0..24).map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                serde_json::json!({"role": role, "content": window(&text, 2000 + i * 1000, 1000)})
+            }))
+            .collect();
+    let growing = serde_json::to_vec(&serde_json::json!({"messages": turns, "max_tokens": 64})).unwrap();
+    let held_growing = router(8);
+    let growing_value: serde_json::Value = serde_json::from_slice(&growing).unwrap();
+    store(&held_growing, &WorkerId::new("w2"), &tokenizer.encode_chat(&growing_value).unwrap());
+    for whole in [true, false] {
+        g.bench_function(format!("held_growing_chat/{}", if whole { "whole" } else { "routed" }), |b| {
+            b.iter(|| black_box(decide(&held_growing, &tokenizer, Chat, &growing, whole, &mut rng)))
+        });
+    }
     for whole in [true, false] {
         let mut n = 0usize;
         g.bench_function(format!("unseen/{}", if whole { "whole" } else { "routed" }), |b| {

@@ -40,7 +40,16 @@ pub struct Detokenizer {
     prefix: String,
     /// How many of `ids` the released text covers as context.
     prefix_index: usize,
+    /// The prompt's last tokens, until the first output token primes the decode with them.
+    unprimed: Vec<u32>,
+    /// Whether an output token was stepped (before, nothing is pending: the prompt is not output).
+    stepped: bool,
 }
+
+/// The most prompt tokens the decode is primed with: vLLM tries suffixes of 4 to 23 tokens.
+const PRIME_WINDOW: usize = 23;
+/// The shortest prompt suffix vLLM primes with.
+const PRIME_MIN: usize = 4;
 
 impl std::fmt::Debug for Detokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -65,10 +74,34 @@ impl Detokenizer {
             tokenizer,
             special_ids,
             skip_special_tokens,
-            ids: prompt.to_vec(),
+            ids: Vec::new(),
             prefix: String::new(),
             prefix_index: 0,
+            unprimed: prompt[prompt.len().saturating_sub(PRIME_WINDOW)..].to_vec(),
+            stepped: false,
         }
+    }
+
+    /// Steps through the prompt's tail, its text discarded, so that the first output token decodes
+    /// in context, as vLLM primes its decode stream: the shortest suffix of 4 to 23 tokens that
+    /// decodes without U+FFFD (a prompt that ends mid-character then leaves its last bytes pending,
+    /// for the output to complete), or all the window when none does (vLLM would then take the
+    /// whole prompt; decoding thousands of tokens per sequence for that rare case is not worth it).
+    fn prime(&mut self) -> Result<(), TokenizeError> {
+        let window = std::mem::take(&mut self.unprimed);
+        let mut context: &[u32] = &window;
+        for len in PRIME_MIN..=window.len() {
+            let suffix = &window[window.len() - len..];
+            if !self.decode(suffix)?.contains('\u{FFFD}') {
+                context = suffix;
+                break;
+            }
+        }
+        for &id in context {
+            self.step(id)?;
+        }
+        self.stepped = false;
+        Ok(())
     }
 
     /// The tokenizer's special tokens: the only tokens (with a request's own stop token ids) a
@@ -94,6 +127,10 @@ impl Detokenizer {
     /// The text `id` adds; empty while the characters it starts are incomplete (their text comes
     /// with a later token) or when it adds nothing (a skipped special token).
     pub fn step(&mut self, id: u32) -> Result<String, TokenizeError> {
+        if !self.unprimed.is_empty() {
+            self.prime()?;
+        }
+        self.stepped = true;
         match self.try_step(id) {
             Ok(text) => Ok(text),
             // A tokenizer can decode a longer sequence to a string that does not extend the shorter
@@ -117,7 +154,7 @@ impl Detokenizer {
     /// with U+FFFD in their place): what a runtime that emits a sequence's tail when it finishes
     /// (SGLang) adds at the end, and vLLM never does.
     pub fn pending(&self) -> Result<String, TokenizeError> {
-        if self.ids.len() <= self.prefix_index {
+        if !self.stepped || self.ids.len() <= self.prefix_index {
             return Ok(String::new());
         }
         let text = self.decode(&self.ids)?;
@@ -125,14 +162,6 @@ impl Detokenizer {
     }
 
     fn try_step(&mut self, id: u32) -> Result<String, StepError> {
-        if self.prefix.is_empty() && !self.ids.is_empty() {
-            // Primed with the prompt: its text is the prefix, unless it ends mid-character.
-            let prompt_text = self.decode(&self.ids)?;
-            if !prompt_text.ends_with('\u{FFFD}') {
-                self.prefix = prompt_text;
-                self.prefix_index = self.ids.len();
-            }
-        }
         self.ids.push(id);
         let text = self.decode(&self.ids)?;
         if text.len() <= self.prefix.len() || text.ends_with('\u{FFFD}') {

@@ -106,6 +106,8 @@ pub struct HfTokenizer {
     rendering: Rendering,
     /// The special tokens' ids, found once: every gRPC response asks for them.
     special_ids: Arc<HashSet<u32>>,
+    /// The largest id of the vocabulary, added tokens included.
+    max_token_id: Option<u32>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -179,6 +181,7 @@ impl HfTokenizer {
         }
         let tokenizer = Arc::new(tokenizer);
         let special_ids = Arc::new(crate::detokenize::special_ids(&tokenizer));
+        let max_token_id = tokenizer.get_vocab(true).into_values().max();
         let prompt_cache = match options.prompt_cache_bytes.unwrap_or(DEFAULT_CACHE_BYTES) {
             0 => Err("turned off".to_owned()),
             bytes => PromptCache::new(tokenizer.clone(), bytes, Chunking::default()),
@@ -198,6 +201,7 @@ impl HfTokenizer {
             prompt_cache,
             rendering: options.rendering,
             special_ids,
+            max_token_id,
         })
     }
 
@@ -385,6 +389,10 @@ fn tag_final_message(messages: &mut [Value]) -> Result<(), TokenizeError> {
 impl PromptTokenizer for HfTokenizer {
     fn describe(&self) -> String {
         self.source.clone()
+    }
+
+    fn max_token_id(&self) -> Option<u32> {
+        self.max_token_id
     }
 
     fn encode_prompt(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {

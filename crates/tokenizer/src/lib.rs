@@ -118,6 +118,12 @@ pub trait PromptTokenizer: Send + Sync {
     fn rendering(&self) -> Rendering {
         Rendering::Vllm
     }
+    /// The largest token id of the vocabulary, special tokens included, where ids name vocabulary
+    /// entries (`None` for the built-in tokenizer, whose ids are hashes): a client's token-id
+    /// prompt beyond it is refused.
+    fn max_token_id(&self) -> Option<u32> {
+        None
+    }
     /// What the prompt cache has done, for tokenizers that have one.
     fn prompt_cache_stats(&self) -> Option<prompt_cache::PromptCacheStats> {
         None

@@ -186,6 +186,34 @@ pub fn token_ids(v: &Value, param: &str) -> Result<Vec<u32>, RequestError> {
         .collect()
 }
 
+/// Token ids a client sent as `param`, each within `tokenizer`'s vocabulary when it knows one: an
+/// engine fed an id beyond its embedding table fails the request at best (vLLM's server refuses it
+/// so) and at worst its whole scheduler (SGLang 0.5's dies, with every request it holds).
+fn prompt_ids(v: &Value, param: &str, tokenizer: &dyn PromptTokenizer) -> Result<Vec<u32>, RequestError> {
+    let ids = token_ids(v, param)?;
+    if let Some(max) = tokenizer.max_token_id() {
+        if let Some(bad) = ids.iter().find(|&&id| id > max) {
+            return Err(RequestError::invalid(
+                param,
+                format!("token id {bad} in `{param}` is out of the vocabulary (its largest id is {max})"),
+            ));
+        }
+    }
+    Ok(ids)
+}
+
+/// The first of several id prompts (each checked as [`prompt_ids`]): it places the request.
+fn first_of_id_prompts(
+    items: &[Value],
+    param: &str,
+    tokenizer: &dyn PromptTokenizer,
+) -> Result<Vec<u32>, RequestError> {
+    for item in items.iter().skip(1) {
+        prompt_ids(item, param, tokenizer)?;
+    }
+    items.first().map_or_else(|| Ok(Vec::new()), |first| prompt_ids(first, param, tokenizer))
+}
+
 /// Reads a request body for `endpoint`: validates its shape and tokenizes its whole prompt (token
 /// ids the client already sent are used as they are).
 pub fn parse(
@@ -255,8 +283,8 @@ pub fn parse_routed(
                     Value::String(s) if items.iter().all(Value::is_string) => {
                         tokenizer.encode_prompt_routed(s, add_special, probe).map_err(tokenize_err)?
                     }
-                    Value::Number(_) => PromptIds::whole(token_ids(prompt, "prompt")?),
-                    Value::Array(_) => PromptIds::whole(token_ids(&items[0], "prompt")?),
+                    Value::Number(_) => PromptIds::whole(prompt_ids(prompt, "prompt", tokenizer)?),
+                    Value::Array(_) => PromptIds::whole(first_of_id_prompts(items, "prompt", tokenizer)?),
                     _ => {
                         return Err(RequestError::invalid(
                             "prompt",
@@ -275,9 +303,11 @@ pub fn parse_routed(
         }
         Endpoint::Generate => {
             let tokens = match (body.get("input_ids"), body.get("text")) {
-                (Some(ids), _) if !ids.is_null() => PromptIds::whole(match ids.as_array().and_then(|a| a.first()) {
-                    Some(Value::Array(_)) => token_ids(&ids[0], "input_ids")?,
-                    _ => token_ids(ids, "input_ids")?,
+                (Some(ids), _) if !ids.is_null() => PromptIds::whole(match ids.as_array() {
+                    Some(batch) if batch.first().is_some_and(Value::is_array) => {
+                        first_of_id_prompts(batch, "input_ids", tokenizer)?
+                    }
+                    _ => prompt_ids(ids, "input_ids", tokenizer)?,
                 }),
                 (_, Some(Value::String(t))) => {
                     tokenizer.encode_prompt_routed(t, add_special, probe).map_err(tokenize_err)?

@@ -1,7 +1,8 @@
 //! Detokenization on a real model tokenizer (DeepSeek's byte-level BPE, fetched by
 //! `scripts/fetch-test-tokenizer.sh`): characters split across tokens come out whole, never as
 //! U+FFFD and never taken back; stop strings cut the text where the earliest one ends, and a stream
-//! shows exactly the final text, piece by piece.
+//! shows exactly the final text, piece by piece. And the other way: token ids a client sends as a
+//! prompt must be ones the vocabulary can decode.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -177,6 +178,32 @@ fn bytes_that_never_form_a_character_show_only_when_flushed() {
     );
 }
 
+#[test]
+fn a_sequence_stopped_on_its_first_token_is_empty_even_when_flushed() {
+    // The worker's first token is the one it stops on: no text at all, and flushing (SGLang) must
+    // not bring up the prompt the decode is primed with.
+    let prompt = ids("Hello world, this is");
+    let eos = ids("<｜end▁of▁sentence｜>");
+    let mut seq = SequenceText::new(tokenizer().detokenizer(&prompt, true).unwrap(), StopRule::default());
+    seq.push(&eos, true).unwrap();
+    seq.flush_incomplete().unwrap();
+    assert_eq!((seq.text(), seq.tokens()), ("", 1));
+}
+
+#[test]
+fn a_prompt_ending_mid_character_never_comes_back_as_output() {
+    // A long prompt whose last token is the first byte of an emoji; the output completes it.
+    let emoji = ids("🙂");
+    let (head, tail) = emoji.split_at(1);
+    let mut prompt = ids(&"The quick brown fox jumps over the lazy dog. ".repeat(8));
+    prompt.extend(head);
+    let mut seq = SequenceText::new(tokenizer().detokenizer(&prompt, true).unwrap(), StopRule::default());
+    seq.push(tail, false).unwrap();
+    seq.push(&ids(" ok"), false).unwrap();
+    assert!(!seq.text().contains("fox"), "the prompt leaked into the output: {:?}", seq.text());
+    assert!(seq.text().ends_with(" ok"), "{:?}", seq.text());
+}
+
 /// Each token's logprobs name as each runtime's server shows it.
 fn token_names(style: NameStyle) -> TokenNames {
     tokenizer().detokenizer(&[], false).expect("a HuggingFace tokenizer detokenizes").token_names(style)
@@ -212,4 +239,23 @@ proptest! {
         let bytes: Vec<u8> = ids(&text).iter().flat_map(|&id| names.bytes(id, &names.name(id, &[]).unwrap())).collect();
         prop_assert_eq!(String::from_utf8(bytes).unwrap(), text);
     }
+}
+
+#[test]
+fn token_ids_beyond_the_vocabulary_are_refused_by_the_field_that_sent_them() {
+    use kvgate_tokenizer::request::{parse, Endpoint};
+    use serde_json::json;
+    let tok = tokenizer();
+    let max = tok.max_token_id().expect("a vocabulary's largest id");
+    let err = |endpoint, body: serde_json::Value| parse(endpoint, &body, tok, 16).unwrap_err().to_string();
+    assert!(parse(Endpoint::Completions, &json!({"prompt": [1, max]}), tok, 16).is_ok(), "the largest id is in");
+    let beyond = max + 1;
+    let message = err(Endpoint::Completions, json!({"prompt": [1, beyond]}));
+    assert!(message.contains(&format!("token id {beyond} in `prompt`")), "{message}");
+    // Every prompt of several is checked, not only the first that places the request.
+    assert!(err(Endpoint::Completions, json!({"prompt": [[1], [2, beyond]]})).contains("`prompt`"));
+    assert!(err(Endpoint::Generate, json!({"input_ids": [beyond]})).contains("`input_ids`"));
+    assert!(err(Endpoint::Generate, json!({"input_ids": [[1], [beyond]]})).contains("`input_ids`"));
+    assert!(err(Endpoint::Embeddings, json!({"input": [beyond]})).contains("`input`"));
+    assert!(err(Endpoint::Embeddings, json!({"input": [[1], [beyond]]})).contains("`input`"));
 }

@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 
-use super::{token_ids, RequestError};
+use super::{prompt_ids, RequestError};
 use crate::{PromptTokenizer, TokenizeError};
 
 fn tokenize_err(e: TokenizeError) -> RequestError {
@@ -21,7 +21,7 @@ fn one_input(
 ) -> Result<Vec<u32>, RequestError> {
     match v {
         Value::String(s) => tokenizer.encode_prompt(s, add_special).map_err(tokenize_err),
-        Value::Array(_) => token_ids(v, param),
+        Value::Array(_) => prompt_ids(v, param, tokenizer),
         _ => Err(RequestError::invalid(param, format!("`{param}` must be a string or a list of token ids"))),
     }
 }
@@ -36,7 +36,7 @@ pub(super) fn embeddings(
     let input = body.get("input").ok_or_else(|| RequestError::invalid("input", "`input` is required"))?;
     match input {
         Value::Array(items) if items.is_empty() => Err(RequestError::invalid("input", "`input` must not be empty")),
-        Value::Array(items) if items[0].is_number() => Ok(vec![token_ids(input, "input")?]),
+        Value::Array(items) if items[0].is_number() => Ok(vec![prompt_ids(input, "input", tokenizer)?]),
         Value::Array(items) => items.iter().map(|item| one_input(item, "input", tokenizer, add_special)).collect(),
         other => Ok(vec![one_input(other, "input", tokenizer, add_special)?]),
     }

@@ -5,16 +5,36 @@
 //! `meta_info`, whole, or streamed as `data:` events that each carry the whole text so far (SGLang's
 //! default, without `--incremental-streaming-output`), then `data: [DONE]`.
 //!
-//! One prompt per request: batches (a list of texts or of id lists) and `n` above 1, which SGLang's
-//! server answers with lists, are refused with a 400 that names them, as are log probabilities.
+//! `n` above 1 is answered as SGLang's server answers it: a list of `n` answers, or a stream whose
+//! events each carry one sequence's `index`. Log probabilities (`return_logprob`) come in
+//! `meta_info` as SGLang's server shows them: `[logprob, token id, text or null]` for each output
+//! token, the alternatives with `top_logprobs_num`, each event of a stream carrying all of them so
+//! far. The prompt's own log probabilities (`logprob_start_len` from 0, `token_ids_logprob`) are
+//! refused with a 400 that names them: the worker is not asked for them yet.
+//!
+//! One prompt per request: a batch (a list of texts or of id lists) is refused with a 400 that names
+//! it, as SMG 1.13 refuses it over gRPC: each prompt is its own routing decision, so a client sends
+//! them as requests of their own.
 
 use serde_json::{json, Map, Value};
 
-use super::openai::{Finish, Usage};
+use super::openai::{Finish, Usage, MAX_N, MAX_TOP_LOGPROBS};
 use crate::error::ApiError;
 
 /// Top-level fields a `/generate` request may carry to a gRPC worker; any other is refused.
-const FIELDS: &[&str] = &["text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob"];
+const FIELDS: &[&str] = &[
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "model",
+    "return_logprob",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "logprob_start_len",
+    "token_ids_logprob",
+];
 
 /// SGLang's sampling settings and the OpenAI field each becomes (`None`: checked and taken here).
 const SAMPLING: &[(&str, Option<&str>)] = &[
@@ -57,9 +77,7 @@ pub(super) fn as_completions(body: &Value) -> Result<Value, ApiError> {
     if let Some(key) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(unsupported(key, ""));
     }
-    if body.get("return_logprob").is_some_and(|v| v != false && !v.is_null()) {
-        return Err(unsupported("return_logprob", "on /generate"));
-    }
+    let asked = LogprobAsk::from_request(body)?;
     let batch = match (body.get("text"), body.get("input_ids")) {
         (Some(Value::Array(_)), _) => Some("text"),
         (_, Some(Value::Array(ids))) if ids.first().is_some_and(Value::is_array) => Some("input_ids"),
@@ -71,6 +89,10 @@ pub(super) fn as_completions(body: &Value) -> Result<Value, ApiError> {
     let mut out = Map::new();
     out.insert("stream".into(), body.get("stream").cloned().unwrap_or(Value::Bool(false)));
     out.insert("max_tokens".into(), Value::from(DEFAULT_MAX_NEW_TOKENS));
+    if let Some(ask) = asked {
+        // Completions' `logprobs` asks the worker for the sampled token's and `top` alternatives.
+        out.insert("logprobs".into(), Value::from(ask.top));
+    }
     let empty = Map::new();
     let sampling = match body.get("sampling_params") {
         None | Some(Value::Null) => &empty,
@@ -103,8 +125,12 @@ pub(super) fn as_completions(body: &Value) -> Result<Value, ApiError> {
             continue;
         }
         match (key.as_str(), value) {
-            ("n", v) if v.as_u64() == Some(1) => {}
-            ("n", _) => return Err(unsupported(&name, "other than 1")),
+            ("n", v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()).filter(|n| (1..=MAX_N).contains(n)) {
+                Some(n) => {
+                    out.insert("n".into(), Value::from(n));
+                }
+                None => return Err(ApiError::invalid(&name, format!("`{name}` must be from 1 to {MAX_N}"))),
+            },
             ("spaces_between_special_tokens", Value::Bool(true)) => {}
             ("spaces_between_special_tokens", _) => return Err(unsupported(&name, "other than true")),
             ("json_schema", Value::String(s)) => {
@@ -137,44 +163,163 @@ fn finish_reason(finish: &Finish, max_tokens: Option<u32>) -> Value {
     }
 }
 
+/// What a `/generate` request asks of log probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LogprobAsk {
+    /// Alternatives shown per output token (`top_logprobs_num`); 0 shows none.
+    pub top: u32,
+    /// Whether each entry carries its token's text (`return_text_in_logprobs`).
+    pub with_text: bool,
+}
+
+impl LogprobAsk {
+    /// What `body` asks; `None` without `return_logprob` (SGLang then ignores the other settings).
+    pub fn from_request(body: &Value) -> Result<Option<LogprobAsk>, ApiError> {
+        let flag = |key: &str| match body.get(key) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean"))),
+        };
+        let with_text = flag("return_text_in_logprobs")?;
+        if !flag("return_logprob")? {
+            return Ok(None);
+        }
+        let top = match body.get("top_logprobs_num") {
+            None | Some(Value::Null) => 0,
+            Some(v) => v
+                .as_u64()
+                .filter(|&k| k <= MAX_TOP_LOGPROBS.unsigned_abs())
+                .and_then(|k| u32::try_from(k).ok())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "top_logprobs_num",
+                        format!("`top_logprobs_num` must be from 0 to {MAX_TOP_LOGPROBS}"),
+                    )
+                })?,
+        };
+        // SGLang's default (-1) asks for no prompt logprobs when output ones are asked.
+        match body.get("logprob_start_len") {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_i64() == Some(-1) => {}
+            Some(v) if v.is_i64() => {
+                return Err(unsupported("logprob_start_len", "other than -1 (the prompt's log probabilities)"))
+            }
+            Some(_) => return Err(ApiError::invalid("logprob_start_len", "`logprob_start_len` must be an integer")),
+        }
+        match body.get("token_ids_logprob") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(ids)) if ids.is_empty() => {}
+            Some(_) => return Err(unsupported("token_ids_logprob", "")),
+        }
+        Ok(Some(LogprobAsk { top, with_text }))
+    }
+}
+
+/// One sequence of a `/generate` answer being shaped.
+#[derive(Debug, Default)]
+struct Sequence {
+    /// The text a stream has sent so far (each event carries all of it).
+    text: String,
+    /// `[logprob, token id, text or null]` of each output token so far.
+    token_logprobs: Vec<Value>,
+    /// Each output token's alternatives so far, as such lists (null where none came).
+    top_logprobs: Vec<Value>,
+    /// Whether log probabilities came since the last event.
+    fresh: bool,
+}
+
 /// One `/generate` answer being shaped.
 #[derive(Debug)]
 pub(super) struct GenerateShape {
     rid: String,
     max_tokens: Option<u32>,
-    /// The text a stream has sent so far (each event carries all of it).
-    text: String,
+    logprobs: Option<LogprobAsk>,
+    /// One per sequence asked for (`n`), by index.
+    sequences: Vec<Sequence>,
 }
 
 impl GenerateShape {
-    /// An answer to request `rid` (the client's own `rid` when it gave one).
-    pub fn new(rid: String, max_tokens: Option<u32>) -> Self {
-        GenerateShape { rid, max_tokens, text: String::new() }
+    /// An answer of `n` sequences to request `rid` (the client's own `rid` when it gave one), with
+    /// the log probabilities `logprobs` asks for.
+    pub fn new(rid: String, max_tokens: Option<u32>, n: u32, logprobs: Option<LogprobAsk>) -> Self {
+        let sequences = (0..n.max(1)).map(|_| Sequence::default()).collect();
+        GenerateShape { rid, max_tokens, logprobs, sequences }
     }
 
-    fn meta_info(&self, finish: Option<&Finish>, usage: Usage) -> Value {
-        json!({
-            "id": self.rid,
+    fn several(&self) -> bool {
+        self.sequences.len() > 1
+    }
+
+    /// Adds sequence `index`'s next log probabilities, as [`super::logprobs::SequenceLogprobs`]
+    /// takes them for `/generate` (`null`: none asked).
+    pub fn push_logprobs(&mut self, index: usize, taken: Value) {
+        let Some(seq) = self.sequences.get_mut(index) else { return };
+        let Value::Object(mut taken) = taken else { return };
+        if let Some(Value::Array(tokens)) = taken.remove("tokens") {
+            seq.fresh |= !tokens.is_empty();
+            seq.token_logprobs.extend(tokens);
+        }
+        if let Some(Value::Array(top)) = taken.remove("top") {
+            seq.top_logprobs.extend(top);
+        }
+    }
+
+    fn meta_info(&self, index: usize, finish: Option<&Finish>, usage: Usage) -> Value {
+        // Each of several sequences is a request of its own to SGLang's server, with its own id.
+        let id = if self.several() { format!("{}-{index}", self.rid) } else { self.rid.clone() };
+        let mut meta = json!({
+            "id": id,
             "finish_reason": finish.map_or(Value::Null, |f| finish_reason(f, self.max_tokens)),
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens,
-        })
+        });
+        if let (Some(ask), Some(seq)) = (self.logprobs, self.sequences.get(index)) {
+            meta["input_token_logprobs"] = json!([]);
+            meta["output_token_logprobs"] = Value::Array(seq.token_logprobs.clone());
+            meta["output_token_logprobs_length"] = Value::from(seq.token_logprobs.len());
+            if ask.top > 0 {
+                meta["input_top_logprobs"] = json!([]);
+                meta["output_top_logprobs"] = Value::Array(seq.top_logprobs.clone());
+            }
+        }
+        meta
     }
 
-    /// The whole answer of a request that did not stream.
-    pub fn body(&self, text: &str, output_ids: &[u32], finish: &Finish, usage: Usage) -> Value {
-        json!({"text": text, "output_ids": output_ids, "meta_info": self.meta_info(Some(finish), usage)})
+    /// Sequence `index` of an answer that did not stream.
+    pub fn sequence_body(&self, index: usize, text: &str, output_ids: &[u32], finish: &Finish, usage: Usage) -> Value {
+        json!({"text": text, "output_ids": output_ids, "meta_info": self.meta_info(index, Some(finish), usage)})
     }
 
-    /// A stream's event after `delta` more text: all the text so far, the ids so far, and with
-    /// `finish` how it ended. `None` when there is nothing new to say.
-    pub fn event(&mut self, delta: &str, output_ids: &[u32], finish: Option<&Finish>, usage: Usage) -> Option<String> {
-        if delta.is_empty() && finish.is_none() {
+    /// The whole answer from its sequences' bodies: the one, or the list of several.
+    pub fn answer(&self, mut bodies: Vec<Value>) -> Value {
+        if self.several() || bodies.len() != 1 {
+            return Value::Array(bodies);
+        }
+        bodies.pop().unwrap_or(Value::Null)
+    }
+
+    /// A stream's event for sequence `index` after `delta` more text: all its text so far, its ids
+    /// so far, and with `finish` how it ended. `None` when there is nothing new to say.
+    pub fn event(
+        &mut self,
+        index: usize,
+        delta: &str,
+        output_ids: &[u32],
+        finish: Option<&Finish>,
+        usage: Usage,
+    ) -> Option<String> {
+        let seq = self.sequences.get_mut(index)?;
+        if delta.is_empty() && finish.is_none() && !seq.fresh {
             return None;
         }
-        self.text.push_str(delta);
-        let v = json!({"text": self.text, "output_ids": output_ids, "meta_info": self.meta_info(finish, usage)});
+        seq.fresh = false;
+        seq.text.push_str(delta);
+        let mut v =
+            json!({"text": seq.text, "output_ids": output_ids, "meta_info": self.meta_info(index, finish, usage)});
+        if self.several() {
+            v["index"] = Value::from(index);
+        }
         Some(format!("data: {v}\n\n"))
     }
 }
@@ -195,10 +340,9 @@ mod tests {
         let err = |body: Value| as_completions(&body).unwrap_err().to_string();
         assert!(err(json!({"text": ["a", "b"]})).contains("`text` as a batch"));
         assert!(err(json!({"input_ids": [[1], [2]]})).contains("`input_ids` as a batch"));
-        assert!(err(json!({"text": "a", "sampling_params": {"n": 2}})).contains("`sampling_params.n`"));
+        assert!(err(json!({"text": "a", "sampling_params": {"n": 0}})).contains("`sampling_params.n` must be from 1"));
         assert!(err(json!({"text": "a", "sampling_params": {"custom_params": {}}}))
             .contains("`sampling_params.custom_params`"));
-        assert!(err(json!({"text": "a", "return_logprob": true})).contains("`return_logprob`"));
         assert!(err(json!({"text": "a", "lora_path": "x"})).contains("`lora_path`"));
         assert!(err(json!({"text": "a", "sampling_params": {"regex": "a", "ebnf": "b"}})).contains("only one"));
         assert!(err(json!({"text": "a", "sampling_params": {"min_new_tokens": "x"}}))
@@ -210,24 +354,71 @@ mod tests {
     #[test]
     fn answers_carry_sglangs_meta_info_and_a_stream_the_whole_text_so_far() {
         let usage = Usage { prompt_tokens: 4, completion_tokens: 2, cached_tokens: 1 };
-        let mut shape = GenerateShape::new("r1".into(), Some(2));
+        let mut shape = GenerateShape::new("r1".into(), Some(2), 1, None);
         let cut = Finish { reason: "length".into(), stop_reason: Value::Null };
-        let body = shape.body("ab", &[5, 6], &cut, usage);
+        let body = shape.answer(vec![shape.sequence_body(0, "ab", &[5, 6], &cut, usage)]);
         assert_eq!(body["meta_info"]["finish_reason"], json!({"type": "length", "length": 2}));
         assert_eq!((body["meta_info"]["id"].as_str(), body["output_ids"].clone()), (Some("r1"), json!([5, 6])));
+        assert!(body["meta_info"].get("output_token_logprobs").is_none(), "not asked");
         let eos = Finish { reason: "stop".into(), stop_reason: json!(2) };
         assert_eq!(
-            shape.body("", &[2], &eos, usage)["meta_info"]["finish_reason"],
+            shape.sequence_body(0, "", &[2], &eos, usage)["meta_info"]["finish_reason"],
             json!({"type": "stop", "matched": 2})
         );
-        assert_eq!(shape.event("", &[], None, usage), None);
-        let first = shape.event("a", &[5], None, usage).unwrap();
-        let last = shape.event("b", &[5, 6], Some(&cut), usage).unwrap();
+        assert_eq!(shape.event(0, "", &[], None, usage), None);
+        let first = shape.event(0, "a", &[5], None, usage).unwrap();
+        let last = shape.event(0, "b", &[5, 6], Some(&cut), usage).unwrap();
         let v: Value = serde_json::from_str(last.strip_prefix("data: ").unwrap().trim_end()).unwrap();
         assert!(first.contains("\"text\":\"a\""));
         assert_eq!(
             (v["text"].as_str(), v["meta_info"]["finish_reason"]["type"].as_str()),
             (Some("ab"), Some("length"))
         );
+        assert!(v.get("index").is_none(), "one sequence: no index, as SGLang's server");
+    }
+
+    #[test]
+    fn several_sequences_are_a_list_or_indexed_events_each_with_its_own_logprobs() {
+        let usage = Usage { prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
+        let ask = LogprobAsk { top: 1, with_text: false };
+        let mut shape = GenerateShape::new("r".into(), Some(1), 2, Some(ask));
+        let cut = Finish { reason: "length".into(), stop_reason: Value::Null };
+        shape.push_logprobs(1, json!({"tokens": [[-0.5, 7, null]], "top": [[[-0.5, 7, null]]]}));
+        // Log probabilities alone are worth an event (a token whose text is not out yet).
+        let event = shape.event(1, "", &[7], None, usage).unwrap();
+        let v: Value = serde_json::from_str(event.strip_prefix("data: ").unwrap().trim_end()).unwrap();
+        assert_eq!((v["index"].clone(), v["meta_info"]["id"].clone()), (json!(1), json!("r-1")));
+        assert_eq!(v["meta_info"]["output_token_logprobs"], json!([[-0.5, 7, null]]));
+        assert_eq!(v["meta_info"]["output_top_logprobs"], json!([[[-0.5, 7, null]]]));
+        assert_eq!(
+            (v["meta_info"]["input_token_logprobs"].clone(), v["meta_info"]["output_token_logprobs_length"].clone()),
+            (json!([]), json!(1))
+        );
+        assert_eq!(shape.event(1, "", &[7], None, usage), None, "nothing new since");
+        let bodies = (0..2).map(|i| shape.sequence_body(i, "x", &[7], &cut, usage)).collect();
+        let answer = shape.answer(bodies);
+        assert_eq!(answer.as_array().map(Vec::len), Some(2));
+        assert_eq!(answer[0]["meta_info"]["output_token_logprobs"], json!([]), "sequence 0 got none");
+        assert!(answer[0].get("index").is_none(), "a whole answer's sequences carry no index");
+    }
+
+    #[test]
+    fn logprob_settings_are_read_as_sglang_reads_them_and_prompt_logprobs_refused() {
+        let ask = |body: Value| LogprobAsk::from_request(&body);
+        assert_eq!(ask(json!({"text": "a", "top_logprobs_num": 3})).unwrap(), None, "ignored without return_logprob");
+        assert_eq!(
+            ask(json!({"return_logprob": true, "top_logprobs_num": 3, "return_text_in_logprobs": true})).unwrap(),
+            Some(LogprobAsk { top: 3, with_text: true })
+        );
+        assert_eq!(ask(json!({"return_logprob": true, "logprob_start_len": -1})).unwrap().map(|a| a.top), Some(0));
+        let err = |body: Value| ask(body).unwrap_err().to_string();
+        assert!(err(json!({"return_logprob": true, "logprob_start_len": 0})).contains("`logprob_start_len`"));
+        assert!(err(json!({"return_logprob": true, "token_ids_logprob": [1]})).contains("`token_ids_logprob`"));
+        assert!(err(json!({"return_logprob": true, "top_logprobs_num": 99})).contains("`top_logprobs_num`"));
+        assert!(err(json!({"return_logprob": "yes"})).contains("`return_logprob` must be a boolean"));
+        let c = as_completions(&json!({"text": "a", "return_logprob": true, "top_logprobs_num": 2,
+                                       "sampling_params": {"n": 3}}))
+        .unwrap();
+        assert_eq!((c["logprobs"].clone(), c["n"].clone()), (json!(2), json!(3)));
     }
 }

@@ -25,7 +25,7 @@ use tonic::Code;
 
 use super::embed::{self, EmbedAsk};
 use super::flight::{error_event, Flight, Outcome};
-use super::generate::GenerateShape;
+use super::generate::{GenerateShape, LogprobAsk};
 use super::logprobs::SequenceLogprobs;
 use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
 use super::responses::ResponsesShape;
@@ -381,16 +381,27 @@ impl Backend for GrpcBackend {
         let echo = if plan.echo { body.get("prompt").and_then(Value::as_str).map(str::to_owned) } else { None };
         let mut choices = Vec::with_capacity(plan.sampling.n as usize);
         let mut may_stop: Option<Arc<HashSet<u32>>> = None;
-        // Token names in logprobs follow the runtime's own server.
-        let style =
-            if worker.known_runtime() == Some(GrpcRuntime::Sglang) { NameStyle::Sglang } else { NameStyle::Vllm };
+        // Token names in logprobs follow the runtime's own server (`/generate` is SGLang's).
+        let is_generate = plan.endpoint == Endpoint::Generate;
+        let generate_logprobs =
+            if is_generate { LogprobAsk::from_request(&body).map_err(SendFailure::Final)? } else { None };
+        let style = if worker.known_runtime() == Some(GrpcRuntime::Sglang) || is_generate {
+            NameStyle::Sglang
+        } else {
+            NameStyle::Vllm
+        };
         for _ in 0..plan.sampling.n.max(1) {
             let Some(detokenizer) = state.tokenizer.detokenizer(prompt, plan.sampling.skip_special_tokens) else {
                 return Err(SendFailure::Final(ApiError::Internal));
             };
-            let logprobs = plan
-                .top_logprobs()
-                .map(|top| SequenceLogprobs::new(detokenizer.token_names(style), plan.endpoint, top));
+            let logprobs = plan.top_logprobs().map(|top| {
+                let seq = SequenceLogprobs::new(detokenizer.token_names(style), plan.endpoint, top);
+                if generate_logprobs.is_some_and(|ask| !ask.with_text) {
+                    seq.without_text()
+                } else {
+                    seq
+                }
+            });
             let echo = match &echo {
                 Some(prompt) => Some(prompt.clone()),
                 None if plan.echo => Some(detokenizer.text_of(prompt, true).map_err(|e| {
@@ -420,7 +431,7 @@ impl Backend for GrpcBackend {
                 logprobs,
                 sent_chars: 0,
                 echo,
-                ids: (plan.endpoint == kvgate_tokenizer::request::Endpoint::Generate).then(Vec::new),
+                ids: is_generate.then(Vec::new),
             });
         }
         let request_id = format!("kvgate-{}", flight.id.0);
@@ -435,7 +446,7 @@ impl Backend for GrpcBackend {
             .await
             .map_err(|status| worker_failed(state, flight, &status, "Generate"))?;
         engines::request_succeeded(&engine);
-        let prefix = if plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+        let prefix = if plan.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let head = ResponseHead {
             id: format!("{prefix}-kvgate-{}", flight.id.0),
             created: unix_now(),
@@ -447,9 +458,9 @@ impl Backend for GrpcBackend {
             // SGLang's server ends a stream cut by the output limit with `response.incomplete`.
             ResponsesShape::new(&format!("kvgate-{}", flight.id.0), head.created, plan.model.clone(), echo, sglang)
         });
-        let generate = (plan.endpoint == kvgate_tokenizer::request::Endpoint::Generate).then(|| {
+        let generate = is_generate.then(|| {
             let rid = body.get("rid").and_then(Value::as_str).map_or_else(|| request_id.clone(), str::to_owned);
-            GenerateShape::new(rid, plan.sampling.max_tokens)
+            GenerateShape::new(rid, plan.sampling.max_tokens, plan.sampling.n, generate_logprobs)
         });
         Ok(GrpcAnswer::Generating(Box::new(Generating {
             flush_incomplete: sglang,
@@ -601,10 +612,14 @@ async fn collect_answer(mut answer: Generating, flight: &mut Flight) -> Result<V
             if let (Some(shape), Some((text, _, finish))) = (&answer.responses, choices.first()) {
                 return Ok(shape.body(text, finish, usage));
             }
-            if let (Some(shape), Some((text, _, finish)), Some(c)) =
-                (&answer.generate, choices.first(), answer.choices.first())
-            {
-                return Ok(shape.body(text, c.output_ids(), finish, usage));
+            if let Some(shape) = answer.generate.as_mut() {
+                let mut bodies = Vec::with_capacity(choices.len());
+                for (i, ((text, logprobs, finish), c)) in choices.into_iter().zip(&answer.choices).enumerate() {
+                    shape.push_logprobs(i, logprobs);
+                    let usage = Usage { completion_tokens: c.text.tokens() as u64, ..usage };
+                    bodies.push(shape.sequence_body(i, &text, c.output_ids(), &finish, usage));
+                }
+                return Ok(shape.answer(bodies));
             }
             return Ok(answer.head.body(&choices, usage));
         }
@@ -651,7 +666,7 @@ impl Streamer {
                 self.usage.prompt_tokens = self.answer.prompt_tokens;
                 // The assistant's role for every choice with the first output, as vLLM and SGLang
                 // send it: after the prefill, so the first byte a client sees is the first token's.
-                if self.answer.plan.endpoint == kvgate_tokenizer::request::Endpoint::Chat {
+                if self.answer.plan.endpoint == Endpoint::Chat {
                     for index in 0..self.answer.choices.len() as u32 {
                         out.push_str(&sse(&self.answer.head.role_chunk(index)));
                     }
@@ -724,7 +739,12 @@ impl Streamer {
                 (None, Some(shape)) => {
                     let delta = choice.text.take_delta(finish.is_some());
                     let usage = Usage { completion_tokens: choice.text.tokens() as u64, ..self.usage };
-                    Ok(shape.event(&delta, choice.output_ids(), finish.as_ref(), usage).unwrap_or_default())
+                    choice.take_logprobs(None).map(|logprobs| {
+                        shape.push_logprobs(index as usize, logprobs);
+                        shape
+                            .event(index as usize, &delta, choice.output_ids(), finish.as_ref(), usage)
+                            .unwrap_or_default()
+                    })
                 }
                 (None, None) => choice
                     .next_chunk(&answer.head, index, finish.as_ref())

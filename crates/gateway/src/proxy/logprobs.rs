@@ -1,6 +1,7 @@
 //! A sequence's `logprobs` for a worker that answers with token ids (a gRPC worker): the log
 //! probabilities it sends per token, named and shaped as the runtime's own OpenAI server shows
-//! them (chat's `content` list, completions' four parallel lists).
+//! them (chat's `content` list, completions' four parallel lists), or as SGLang's `/generate` shows
+//! them (`[logprob, token id, text]` per token).
 //!
 //! Entries follow the tokens the response keeps: the end-of-sequence token the worker stopped on
 //! is shown (vLLM's server shows it), tokens after a stop string the gateway matched are not.
@@ -36,13 +37,20 @@ pub struct SequenceLogprobs {
     shown: usize,
     /// Characters of text before the next entry shown (completions' `text_offset`).
     offset: usize,
+    /// Whether `/generate`'s entries carry their token's text (`return_text_in_logprobs`).
+    with_text: bool,
 }
 
 impl SequenceLogprobs {
     /// Logprobs for a sequence of `endpoint` with `top` alternatives per token, named and shaped
     /// as the server `names` follows.
     pub fn new(names: TokenNames, endpoint: Endpoint, top: u32) -> Self {
-        SequenceLogprobs { names, endpoint, top, entries: Vec::new(), shown: 0, offset: 0 }
+        SequenceLogprobs { names, endpoint, top, entries: Vec::new(), shown: 0, offset: 0, with_text: true }
+    }
+
+    /// The same, but `/generate`'s entries show `null` in place of each token's text.
+    pub fn without_text(self) -> Self {
+        SequenceLogprobs { with_text: false, ..self }
     }
 
     /// Adds a worker's log probabilities for its next tokens. A message whose lists do not line
@@ -78,6 +86,9 @@ impl SequenceLogprobs {
         self.shown = upto;
         if let Some(chars) = text_before {
             self.offset = chars;
+        }
+        if self.endpoint == Endpoint::Generate {
+            return self.generate_lists(range);
         }
         let mut named = Vec::with_capacity(range.len());
         for i in range {
@@ -120,6 +131,27 @@ impl SequenceLogprobs {
                 out
             }
         }
+    }
+
+    /// `/generate`'s form of entries `range`: `{"tokens": [[logprob, id, text], ...], "top": [...]}`,
+    /// each alternatives list ranked as the worker sent it (`null` where it sent none), a log
+    /// probability JSON cannot hold (-inf) as `null`, as SGLang's server writes it.
+    fn generate_lists(&self, range: std::ops::Range<usize>) -> Result<Value, ApiError> {
+        let entry = |id: u32, logprob: f32| -> Result<Value, ApiError> {
+            let logprob = Some(f64::from(logprob)).filter(|v| v.is_finite());
+            let text =
+                if self.with_text { Some(self.names.name(id, &[]).map_err(|_| ApiError::Internal)?) } else { None };
+            Ok(json!([logprob, id, text]))
+        };
+        let mut tokens = Vec::with_capacity(range.len());
+        let mut tops = Vec::with_capacity(range.len());
+        for e in &self.entries[range] {
+            tokens.push(entry(e.id, e.logprob)?);
+            let top =
+                e.top.iter().take(self.top as usize).map(|&(id, lp)| entry(id, lp)).collect::<Result<Vec<_>, _>>()?;
+            tops.push(if top.is_empty() { Value::Null } else { Value::Array(top) });
+        }
+        Ok(json!({"tokens": tokens, "top": tops}))
     }
 
     fn named(&self, i: usize) -> Result<Named, ApiError> {
@@ -202,5 +234,17 @@ mod tests {
         let rest = s.take(3, Some(7)).unwrap();
         assert_eq!(rest["text_offset"], json!([7]));
         assert!(s.push(&lp(&[0, 1], &[-0.1], Vec::new())).is_err(), "lists that do not line up");
+    }
+
+    #[test]
+    fn generate_shows_id_triples_ranked_alternatives_and_no_infinity() {
+        let mut s = SequenceLogprobs::new(names(NameStyle::Sglang), Endpoint::Generate, 1);
+        s.push(&lp(&[1, 2], &[-0.5, f32::NEG_INFINITY], vec![vec![(0, -0.25), (1, -0.5)], Vec::new()])).unwrap();
+        let v = s.take(2, None).unwrap();
+        assert_eq!(v["tokens"], json!([[-0.5, 1, "b"], [null, 2, "c"]]));
+        assert_eq!(v["top"], json!([[[-0.25, 0, "a"]], null]), "top 1 of the ranked list; none sent is null");
+        let mut bare = SequenceLogprobs::new(names(NameStyle::Sglang), Endpoint::Generate, 0).without_text();
+        bare.push(&lp(&[0], &[-1.0], vec![vec![(0, -1.0)]])).unwrap();
+        assert_eq!(bare.take(1, None).unwrap(), json!({"tokens": [[-1.0, 0, null]], "top": [null]}));
     }
 }

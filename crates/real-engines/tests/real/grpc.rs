@@ -174,29 +174,66 @@ fn responses_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
     Ok((vec![(text_of(&response), status)], input, output, vec![Vec::new()]))
 }
 
-/// A `/generate` answer's outcome: the text, with the finish reason and output ids in place of a
-/// finish reason, and the prompt and completion token counts. Each event of a stream carries all
-/// the text so far: each must extend the one before.
+/// A `/generate` answer's outcome: each sequence's text, with its finish reason and output ids in
+/// place of a finish reason, its log probabilities when asked (`meta_info`'s output lists: the
+/// token's text, its id in place of `bytes`, its log probability, and its alternatives by text and
+/// id), and the prompt and completion token counts (summed over the sequences). Several sequences
+/// come as a list, or streamed as events that each name their `index`; each event of a stream
+/// carries all of its sequence's text so far, and must extend the one before.
 fn generate_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
-    let answer: Value = if stream {
+    let answers: Vec<Value> = if stream {
         ensure!(raw.ends_with("data: [DONE]\n\n"), "the stream did not end with [DONE]: {raw}");
-        let mut last = Value::Null;
+        let mut last: Vec<Value> = Vec::new();
         for line in raw.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| *l != "[DONE]") {
             let event: Value = serde_json::from_str(line).with_context(|| line.to_owned())?;
-            let (before, now) = (last["text"].as_str().unwrap_or_default(), event["text"].as_str().unwrap_or_default());
+            let i = event["index"].as_u64().unwrap_or(0) as usize;
+            if last.len() <= i {
+                last.resize(i + 1, Value::Null);
+            }
+            let (before, now) =
+                (last[i]["text"].as_str().unwrap_or_default(), event["text"].as_str().unwrap_or_default());
             ensure!(now.starts_with(before), "an event's text {now:?} does not extend {before:?}: {raw}");
-            last = event;
+            last[i] = event;
         }
         last
     } else {
-        serde_json::from_str(raw).with_context(|| raw.to_owned())?
+        match serde_json::from_str(raw).with_context(|| raw.to_owned())? {
+            Value::Array(list) => list,
+            one => vec![one],
+        }
     };
-    let meta = &answer["meta_info"];
-    let ended = format!("{}; output_ids {}", meta["finish_reason"], answer["output_ids"]);
-    let text = answer["text"].as_str().unwrap_or_default().to_owned();
-    let (prompt, completion) =
-        (meta["prompt_tokens"].as_u64().unwrap_or(0), meta["completion_tokens"].as_u64().unwrap_or(0));
-    Ok((vec![(text, ended)], prompt, completion, vec![Vec::new()]))
+    let entry = |e: &Value| -> (String, Value, f64) {
+        (e[2].as_str().unwrap_or_default().to_owned(), e[1].clone(), e[0].as_f64().unwrap_or(f64::NAN))
+    };
+    let (mut choices, mut logprobs, mut prompt, mut completion) = (Vec::new(), Vec::new(), 0, 0);
+    for answer in &answers {
+        let meta = &answer["meta_info"];
+        let ended = format!("{}; output_ids {}", meta["finish_reason"], answer["output_ids"]);
+        choices.push((answer["text"].as_str().unwrap_or_default().to_owned(), ended));
+        prompt = meta["prompt_tokens"].as_u64().unwrap_or(0);
+        completion += meta["completion_tokens"].as_u64().unwrap_or(0);
+        let tokens = meta["output_token_logprobs"].as_array().cloned().unwrap_or_default();
+        logprobs.push(
+            tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let (text, id, logprob) = entry(t);
+                    let top = meta["output_top_logprobs"][i]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|alt| {
+                            let (text, id, logprob) = entry(alt);
+                            (format!("{text} ({id})"), logprob)
+                        })
+                        .collect();
+                    (text, id, logprob, top)
+                })
+                .collect(),
+        );
+    }
+    Ok((choices, prompt, completion, logprobs))
 }
 
 /// The parity cases: chat and completions, whole and streamed, with stop strings, output limits,
@@ -255,6 +292,9 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
             (completions, with(json!({"prompt": "你好，世界。今天", "max_tokens": 20, "logprobs": 2}))),
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 0, "stop": ["e"]}))),
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 8, "echo": true}))),
+            // The tiny model's first token here is 323: a sequence that stops on its first token
+            // has no text at all (the prompt the decode is primed with must not come back).
+            (completions, with(json!({"prompt": "Hello world, this is", "max_tokens": 8, "stop_token_ids": [323]}))),
         ]);
         // The Responses API: one assistant message, cut by its limit or at a stop string, with
         // instructions and a conversation, and with a JSON schema to follow.
@@ -287,10 +327,101 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
                 ("/generate", generate(json!({"text": "你好，世界。今天", "sampling_params": {"max_new_tokens": 30, "stop": ["\n\n", "stringstring"]}}))),
                 ("/generate", generate(json!({"input_ids": [100, 200, 300, 400], "sampling_params": {"max_new_tokens": 8, "no_stop_trim": true, "stop": ["e"]}}))),
                 ("/generate", generate(json!({"text": "Number:", "sampling_params": {"max_new_tokens": 10, "regex": "[0-9]{1,5}"}}))),
+                // Several sequences (greedy: SGLang's worker protocol carries no seed), and log
+                // probabilities: with each token's text and alternatives over characters split
+                // across tokens, and bare, cut at a stop string.
+                ("/generate", generate(json!({"text": "Two answers", "sampling_params": {"max_new_tokens": 8, "n": 2}}))),
+                ("/generate", generate(json!({"text": "你好，世界。今天", "return_logprob": true, "top_logprobs_num": 2,
+                    "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 16}}))),
+                ("/generate", generate(json!({"text": "Once upon a time", "return_logprob": true,
+                    "sampling_params": {"max_new_tokens": 10, "stop": ["e"]}}))),
+                ("/generate", generate(json!({"text": "Two answers", "return_logprob": true, "top_logprobs_num": 1,
+                    "sampling_params": {"max_new_tokens": 6, "n": 2}}))),
+                ("/generate", generate(json!({"text": "Hello world, this is", "return_logprob": true,
+                    "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [323]}}))),
             ]);
         }
     }
     out
+}
+
+/// SGLang's `/generate` through kvgate to a vLLM gRPC worker (vLLM's own server has no such route)
+/// asks what the equal completions request asks of vLLM's own server: each sequence's text, its
+/// finish reason, the token counts and each token's log probability and alternatives' (values
+/// only: each API names tokens its own way) must be the same. Whole and streamed, greedy and
+/// seeded with `n: 2`. Returns how many were sent, and what differs.
+async fn generate_asks_what_completions_ask(own: &str, gateway: &str) -> (usize, Vec<String>) {
+    let pairs = [
+        (
+            json!({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}),
+            json!({"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}),
+        ),
+        (
+            json!({"text": "你好，世界。今天", "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true,
+                   "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop": ["\n\n"]}}),
+            json!({"prompt": "你好，世界。今天", "max_tokens": 16, "temperature": 0, "logprobs": 2, "stop": ["\n\n"]}),
+        ),
+        (
+            json!({"text": "Two answers", "return_logprob": true,
+                   "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "n": 2}}),
+            json!({"prompt": "Two answers", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2, "logprobs": 0}),
+        ),
+    ];
+    // Alternatives only where `/generate` asks for them (completions' `logprobs: 0` still shows
+    // the sampled token as one).
+    let values = |shown: &[Shown], top: bool| -> Vec<(f64, Vec<f64>)> {
+        shown.iter().map(|s| (s.2, if top { s.3.iter().map(|t| t.1).collect() } else { Vec::new() })).collect()
+    };
+    let near = |a: &[(f64, Vec<f64>)], b: &[(f64, Vec<f64>)]| {
+        let close = |x: f64, y: f64| (x - y).abs() <= LOGPROB_TOLERANCE;
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                let (mut p, mut q) = (x.1.clone(), y.1.clone());
+                p.sort_by(f64::total_cmp);
+                q.sort_by(f64::total_cmp);
+                close(x.0, y.0) && p.len() == q.len() && p.iter().zip(&q).all(|(u, v)| close(*u, *v))
+            })
+    };
+    let (mut differ, mut sent) = (Vec::new(), 0);
+    for (generate, completions) in &pairs {
+        let mut completions = completions.clone();
+        completions["model"] = json!(MODEL);
+        let expected = match outcome(own, "/v1/completions", &completions).await {
+            Ok(e) => e,
+            Err(e) => {
+                differ.push(format!("/v1/completions {completions} on vLLM's own server: {e:#}"));
+                continue;
+            }
+        };
+        for stream in [false, true] {
+            let mut body = generate.clone();
+            body["stream"] = json!(stream);
+            sent += 1;
+            let got = match outcome(gateway, "/generate", &body).await {
+                Ok(g) => g,
+                Err(e) => {
+                    differ.push(format!("/generate {body} on the vLLM worker: {e:#}"));
+                    continue;
+                }
+            };
+            let same_text = got.0.len() == expected.0.len()
+                && got
+                    .0
+                    .iter()
+                    .zip(&expected.0)
+                    .all(|(g, e)| g.0 == e.0 && g.1.contains(&format!("\"type\":\"{}\"", e.1)));
+            let top = body["top_logprobs_num"].as_u64().is_some_and(|k| k > 0);
+            let same_logprobs = got.3.len() == expected.3.len()
+                && got.3.iter().zip(&expected.3).all(|(g, e)| near(&values(g, top), &values(e, top)));
+            let asked = body["return_logprob"] == true;
+            if !same_text || (got.1, got.2) != (expected.1, expected.2) || (asked && !same_logprobs) {
+                differ.push(format!(
+                    "/generate {body} on the vLLM worker against /v1/completions {completions}:\n    completions: {expected:?}\n    generate:    {got:?}"
+                ));
+            }
+        }
+    }
+    (sent, differ)
 }
 
 /// kvgate in front of `worker` as an SMG user starts it: the worker's URL alone, no tokenizer (the
@@ -321,7 +452,7 @@ pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fle
         let through = outcome(&gw.url, path, body).await.map_err(|e| format!("{e:#}"));
         let equal = matches!((&engine, &through), (Ok(a), Ok(b)) if agree(a, b));
         // A case asking for logprobs compares them, so the engine must have shown some.
-        let asked = body.get("logprobs").is_some_and(|l| l != false);
+        let asked = body.get("logprobs").is_some_and(|l| l != false) || body["return_logprob"] == true;
         if asked && engine.as_ref().is_ok_and(|e| e.3.iter().any(Vec::is_empty)) {
             differ.push(format!("{path} {body}\n    the engine's own server showed no logprobs: {engine:?}"));
         }
@@ -330,6 +461,12 @@ pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fle
                 if through.is_err() { format!("\n    the worker: {}", gw.worker("g").await?) } else { String::new() };
             differ.push(format!("{path} {body}\n    engine: {engine:?}\n    kvgate: {through:?}{seen}"));
         }
+    }
+    let mut also = String::new();
+    if worker.spec.runtime == Runtime::Vllm {
+        let (checked, generate_differ) = generate_asks_what_completions_ask(&own.url(), &gw.url).await;
+        differ.extend(generate_differ);
+        also = format!("; {checked} /generate requests to it, each the same as completions on vLLM's own server");
     }
     // Fields a worker cannot honour yet are refused by name, not dropped.
     let refused = http()
@@ -342,7 +479,7 @@ pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fle
     gw.stop().await;
     ensure!(differ.is_empty(), "{} of {} requests differ:\n{}", differ.len(), all.len(), differ.join("\n"));
     ensure!(status == 400 && text.contains("`response_format`"), "response_format answered {status}: {text}");
-    eprintln!("    gRPC parity: {} requests, each equal to the engine's own server", all.len());
+    eprintln!("    gRPC parity: {} requests, each equal to the engine's own server{also}", all.len());
     Ok(())
 }
 

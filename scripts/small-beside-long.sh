@@ -3,9 +3,13 @@
 # send 32 KB prompts that no cache holds (the tokenize bench's unique-completion workload). By
 # default the prompt cache is off, so every long prompt is tokenized whole (the worst case, and
 # what --tokenize-whole or a gRPC worker costs); ROUTED=1 keeps it on, and the long prompts are
-# tokenized only as far as routing needs. Needs nginx and wrk (Debian: nginx-light, wrk) and
+# tokenized only as far as routing needs. HOG=1 (with ROUTED=1) adds the control: a busy loop
+# outside kvgate, 10 nice steps down like kvgate's tokenizing threads, takes a core while the long
+# prompts flow, so the small request shares the machine with as much CPU work at that priority as
+# whole tokenization does, but none of it in kvgate; LONG=0 sends no long prompts (with HOG=1: the
+# busy loop alone beside the small request). Needs nginx and wrk (Debian: nginx-light, wrk) and
 # ../shared beside the checkout.
-# Usage: [ROUTED=1] [ROUNDS=R] scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
+# Usage: [ROUTED=1] [HOG=1] [LONG=0] [ROUNDS=R] scripts/small-beside-long.sh KVGATE_BIN TOKENIZER_JSON
 # Each round measures the small request alone, then beside the long prompts; with ROUNDS (default
 # 2) over 2 it ends with the medians over the rounds.
 set -u
@@ -35,11 +39,22 @@ ms() { awk '{v=$1; if (v ~ /us$/) {sub(/us$/,"",v); v/=1000} else if (v ~ /ms$/)
 small() { wrk -t1 -c4 -d8s --latency -s "$S/small.lua" http://127.0.0.1:39210/ | awk -v n="$1" '/ 50%/{p50=$2} / 99%/{p99=$2} /Requests\/sec/{r=$2} END{printf "%-34s req/s %9s  p50 %9s  p99 %9s\n", n, r, p50, p99}' | tee -a "$S/small.out"; }
 for round in $(seq "${ROUNDS:-2}"); do
   small "small alone"
-  wrk -t1 -c16 -d12s -s "$S/unique-completion.lua" http://127.0.0.1:39210/ > "$S/big.out" 2>&1 &
+  : > "$S/big.out"
+  if [ "${LONG:-1}" = 0 ]; then
+    sleep 12 &
+  else
+    wrk -t1 -c16 -d12s -s "$S/unique-completion.lua" http://127.0.0.1:39210/ > "$S/big.out" 2>&1 &
+  fi
   big=$!
+  hog=
+  if [ "${HOG:-0}" = 1 ]; then
+    nice -n 10 sh -c 'while :; do :; done' &
+    hog=$!
+  fi
   sleep 2
   small "small beside 32 KB prompts (misses)"
   wait $big
+  [ -z "$hog" ] || kill "$hog"
   awk '/Requests\/sec/{print "  32 KB prompts meanwhile: req/s " $2}' "$S/big.out" | tee -a "$S/small.out"
 done
 median() { sort -n | awk '{v[NR]=$1} END{print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }

@@ -68,16 +68,16 @@ fn unsupported(key: &str, why: &str) -> ApiError {
     ApiError::invalid(key, format!("`{key}` {why} is not supported with gRPC workers yet"))
 }
 
-/// The OpenAI completions body that asks the worker what `body` asks, for the planner; the
-/// request's own names are checked here so that its errors name them.
-pub(super) fn as_completions(body: &Value) -> Result<Value, ApiError> {
+/// The OpenAI completions body that asks the worker what `body` asks (its log probabilities as
+/// `asked`, read by [`LogprobAsk::from_request`]), for the planner; the request's own names are
+/// checked here so that its errors name them.
+pub(super) fn as_completions(body: &Value, asked: Option<LogprobAsk>) -> Result<Value, ApiError> {
     let Some(fields) = body.as_object() else {
         return Err(ApiError::InvalidRequest { param: None, message: "the request body must be a JSON object".into() });
     };
     if let Some(key) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(unsupported(key, ""));
     }
-    let asked = LogprobAsk::from_request(body)?;
     let batch = match (body.get("text"), body.get("input_ids")) {
         (Some(Value::Array(_)), _) => Some("text"),
         (_, Some(Value::Array(ids))) if ids.first().is_some_and(Value::is_array) => Some("input_ids"),
@@ -165,7 +165,7 @@ fn finish_reason(finish: &Finish, max_tokens: Option<u32>) -> Value {
 
 /// What a `/generate` request asks of log probabilities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct LogprobAsk {
+pub struct LogprobAsk {
     /// Alternatives shown per output token (`top_logprobs_num`); 0 shows none.
     pub top: u32,
     /// Whether each entry carries its token's text (`return_text_in_logprobs`).
@@ -327,17 +327,18 @@ impl GenerateShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_tokenizer::request::Endpoint;
 
     #[test]
     fn sglang_names_become_the_planners_and_what_cannot_be_served_is_named() {
         let body = json!({"text": "hi", "stream": true, "sampling_params": {"max_new_tokens": 8, "no_stop_trim": true,
                           "stop": ["\n"], "regex": "[a-z]+", "n": 1, "top_k": -1}});
-        let c = as_completions(&body).unwrap();
+        let c = as_completions(&body, None).unwrap();
         assert_eq!((c["max_tokens"].clone(), c["include_stop_str_in_output"].clone()), (json!(8), json!(true)));
         assert_eq!((c["stream"].clone(), c["top_k"].clone()), (json!(true), json!(-1)));
         assert_eq!(c["structured_outputs"], json!({"regex": "[a-z]+"}));
-        assert_eq!(as_completions(&json!({"text": "hi"})).unwrap()["max_tokens"], 128, "SGLang's default");
-        let err = |body: Value| as_completions(&body).unwrap_err().to_string();
+        assert_eq!(as_completions(&json!({"text": "hi"}), None).unwrap()["max_tokens"], 128, "SGLang's default");
+        let err = |body: Value| as_completions(&body, None).unwrap_err().to_string();
         assert!(err(json!({"text": ["a", "b"]})).contains("`text` as a batch"));
         assert!(err(json!({"input_ids": [[1], [2]]})).contains("`input_ids` as a batch"));
         assert!(err(json!({"text": "a", "sampling_params": {"n": 0}})).contains("`sampling_params.n` must be from 1"));
@@ -416,9 +417,11 @@ mod tests {
         assert!(err(json!({"return_logprob": true, "token_ids_logprob": [1]})).contains("`token_ids_logprob`"));
         assert!(err(json!({"return_logprob": true, "top_logprobs_num": 99})).contains("`top_logprobs_num`"));
         assert!(err(json!({"return_logprob": "yes"})).contains("`return_logprob` must be a boolean"));
-        let c = as_completions(&json!({"text": "a", "return_logprob": true, "top_logprobs_num": 2,
-                                       "sampling_params": {"n": 3}}))
-        .unwrap();
+        let body = json!({"text": "a", "return_logprob": true, "top_logprobs_num": 2, "sampling_params": {"n": 3}});
+        let c = as_completions(&body, ask(body.clone()).unwrap()).unwrap();
         assert_eq!((c["logprobs"].clone(), c["n"].clone()), (json!(2), json!(3)));
+        let plan = super::super::openai::Plan::from_request(Endpoint::Generate, &body, "m").unwrap();
+        assert_eq!(plan.generate_logprobs, Some(LogprobAsk { top: 2, with_text: false }), "the plan carries them");
+        assert_eq!(plan.top_logprobs(), Some(2));
     }
 }

@@ -25,7 +25,7 @@ use tonic::Code;
 
 use super::embed::{self, EmbedAsk};
 use super::flight::{error_event, Flight, Outcome};
-use super::generate::{GenerateShape, LogprobAsk};
+use super::generate::GenerateShape;
 use super::logprobs::SequenceLogprobs;
 use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
 use super::responses::ResponsesShape;
@@ -383,8 +383,7 @@ impl Backend for GrpcBackend {
         let mut may_stop: Option<Arc<HashSet<u32>>> = None;
         // Token names in logprobs follow the runtime's own server (`/generate` is SGLang's).
         let is_generate = plan.endpoint == Endpoint::Generate;
-        let generate_logprobs =
-            if is_generate { LogprobAsk::from_request(&body).map_err(SendFailure::Final)? } else { None };
+        let generate_logprobs = plan.generate_logprobs;
         let style = if worker.known_runtime() == Some(GrpcRuntime::Sglang) || is_generate {
             NameStyle::Sglang
         } else {

@@ -94,6 +94,9 @@ pub struct Plan {
     /// A Responses request's own settings, repeated in its response object (`None` for chat and
     /// completions).
     pub responses: Option<ResponsesEcho>,
+    /// What a `/generate` request asks of log probabilities (`None` for other routes, or when it
+    /// asks none).
+    pub generate_logprobs: Option<generate::LogprobAsk>,
 }
 
 impl Plan {
@@ -276,8 +279,10 @@ impl Plan {
         }
         if endpoint == Endpoint::Generate {
             // SGLang's own request, read under its names, asks what this completions body asks.
-            let mut plan = Plan::from_request(Endpoint::Completions, &generate::as_completions(body)?, model)?;
+            let asked = generate::LogprobAsk::from_request(body)?;
+            let mut plan = Plan::from_request(Endpoint::Completions, &generate::as_completions(body, asked)?, model)?;
             plan.endpoint = Endpoint::Generate;
+            plan.generate_logprobs = asked;
             return Ok(plan);
         }
         let Some(fields) = body.as_object() else {
@@ -387,6 +392,7 @@ impl Plan {
             max_tokens_from_context: max_tokens.is_none(),
             echo,
             responses: is_responses.then(|| ResponsesEcho::from_request(body)),
+            generate_logprobs: None,
             sampling,
             stop: StopRule { stop, include_stop_str_in_output: include_stop, min_tokens: min_tokens as usize },
             include_usage,

@@ -608,8 +608,8 @@ async fn collect_answer(mut answer: Generating, flight: &mut Flight) -> Result<V
                 let text = format!("{}{}", c.echo.take().unwrap_or_default(), c.text.text());
                 choices.push((text, logprobs, finish));
             }
-            if let (Some(shape), Some((text, _, finish))) = (&answer.responses, choices.first()) {
-                return Ok(shape.body(text, finish, usage));
+            if let (Some(shape), Some((text, logprobs, finish))) = (&answer.responses, choices.first()) {
+                return Ok(shape.body(text, logprobs.clone(), finish, usage));
             }
             if let Some(shape) = answer.generate.as_mut() {
                 let mut bodies = Vec::with_capacity(choices.len());
@@ -734,7 +734,13 @@ impl Streamer {
             let choice = &mut answer.choices[index as usize];
             let finish = choice.finish.clone();
             let shaped = match (answer.responses.as_mut(), answer.generate.as_mut()) {
-                (Some(shape), _) => Ok(shape.delta(&choice.text.take_delta(finish.is_some()))),
+                (Some(shape), _) => {
+                    // A token's logprobs go with the first delta that shows its text: the API has
+                    // no event for a token without text (vLLM's server drops such a step's).
+                    let delta = choice.text.take_delta(finish.is_some());
+                    let logprobs = if delta.is_empty() { Ok(Value::Null) } else { choice.take_logprobs(None) };
+                    logprobs.map(|logprobs| shape.delta(&delta, logprobs))
+                }
                 (None, Some(shape)) => {
                     let delta = choice.text.take_delta(finish.is_some());
                     let usage = Usage { completion_tokens: choice.text.tokens() as u64, ..self.usage };
@@ -776,11 +782,18 @@ impl Streamer {
             }
         }
         self.usage.completion_tokens = self.answer.completion_tokens();
-        if let Some(shape) = self.answer.responses.as_mut() {
-            let finish = self.answer.choices.first().and_then(|c| c.finish.clone());
+        if self.answer.responses.is_some() {
+            let first = self.answer.choices.first_mut();
+            let finish = first.as_ref().and_then(|c| c.finish.clone());
             let finish = finish.unwrap_or_else(|| Finish { reason: "stop".into(), stop_reason: Value::Null });
-            // A Responses stream ends with its final response, without `[DONE]` (as vLLM's).
-            out.push_str(&shape.closing(&finish, self.usage));
+            let trailing = match first.map_or(Ok(Value::Null), |c| c.take_logprobs(None)) {
+                Ok(trailing) => trailing,
+                Err(e) => return self.fail(out, e, false),
+            };
+            if let Some(shape) = self.answer.responses.as_mut() {
+                // A Responses stream ends with its final response, without `[DONE]` (as vLLM's).
+                out.push_str(&shape.closing(&finish, self.usage, trailing));
+            }
         } else if self.answer.generate.is_some() {
             // The last event carried how it ended; SGLang's server ends the stream so.
             out.push_str("data: [DONE]\n\n");

@@ -1,7 +1,7 @@
 //! A sequence's `logprobs` for a worker that answers with token ids (a gRPC worker): the log
 //! probabilities it sends per token, named and shaped as the runtime's own OpenAI server shows
-//! them (chat's `content` list, completions' four parallel lists), or as SGLang's `/generate` shows
-//! them (`[logprob, token id, text]` per token).
+//! them (chat's `content` list, completions' four parallel lists, the Responses API's list of
+//! tokens), or as SGLang's `/generate` shows them (`[logprob, token id, text]` per token).
 //!
 //! Entries follow the tokens the response keeps: the end-of-sequence token the worker stopped on
 //! is shown (vLLM's server shows it), tokens after a stop string the gateway matched are not.
@@ -77,7 +77,8 @@ impl SequenceLogprobs {
     }
 
     /// The `logprobs` of the tokens after those already shown, up to the `upto`th: chat's
-    /// `{"content": [...]}` or completions' parallel lists. `text_before` is the length in
+    /// `{"content": [...]}`, the Responses API's list (chat's entries) or completions' parallel
+    /// lists. `text_before` is the length in
     /// characters of the text the client has before them, when a stream sets it (vLLM counts a
     /// streamed chunk's offsets from there; a whole answer's from 0).
     pub fn take(&mut self, upto: usize, text_before: Option<usize>) -> Result<Value, ApiError> {
@@ -96,6 +97,7 @@ impl SequenceLogprobs {
         }
         Ok(match self.endpoint {
             Endpoint::Chat => json!({"content": named.into_iter().map(|n| n.chat).collect::<Vec<_>>()}),
+            Endpoint::Responses => Value::Array(named.into_iter().map(|n| n.chat).collect()),
             _ => {
                 let mut offsets: Vec<i64> = Vec::with_capacity(named.len());
                 for n in &named {
@@ -114,13 +116,16 @@ impl SequenceLogprobs {
     }
 
     /// The alternatives shown for entry `i`: vLLM's server keeps the sampled token first and then
-    /// the ranked ones (each once), chat showing `top` of them and completions one more; SGLang's
-    /// shows the ranked ones as they are.
+    /// the ranked ones (each once), chat and the Responses API showing `top` of them and
+    /// completions one more; SGLang's shows the ranked ones as they are.
     fn alternatives(&self, e: &Entry) -> Vec<(u32, f32)> {
         match self.names.style() {
             NameStyle::Sglang => e.top.clone(),
             NameStyle::Vllm => {
-                let shown = if self.endpoint == Endpoint::Chat { self.top as usize } else { self.top as usize + 1 };
+                let shown = match self.endpoint {
+                    Endpoint::Chat | Endpoint::Responses => self.top as usize,
+                    _ => self.top as usize + 1,
+                };
                 let mut out: Vec<(u32, f32)> = vec![(e.id, e.logprob)];
                 for &(id, lp) in &e.top {
                     if !out.iter().any(|&(seen, _)| seen == id) {
@@ -158,16 +163,25 @@ impl SequenceLogprobs {
         let e = &self.entries[i];
         let context: Vec<u32> = self.entries[i.saturating_sub(4)..i].iter().map(|e| e.id).collect();
         let name_of = |id: u32| self.names.name(id, &context).map_err(|_| ApiError::Internal);
+        // SGLang's server gives the Responses API each name's UTF-8 and its alternatives keyed by
+        // name (a later one of the same name takes the earlier one's place); chat gets the
+        // token's own bytes.
+        let by_name = self.endpoint == Endpoint::Responses && self.names.style() == NameStyle::Sglang;
+        let bytes = |id: u32, n: &str| if by_name { n.as_bytes().to_vec() } else { self.names.bytes(id, n) };
         let logprob = clamp(e.logprob);
         let name = name_of(e.id)?;
-        let mut top_list = Vec::new();
+        let mut top_list: Vec<Value> = Vec::new();
         let mut top_map = Map::new();
         for (id, lp) in self.alternatives(e) {
             let n = name_of(id)?;
-            top_list.push(json!({"token": n, "logprob": clamp(lp), "bytes": self.names.bytes(id, &n)}));
+            let alternative = json!({"token": n, "logprob": clamp(lp), "bytes": bytes(id, &n)});
+            match top_list.iter_mut().find(|t| by_name && t["token"] == n.as_str()) {
+                Some(earlier) => *earlier = alternative,
+                None => top_list.push(alternative),
+            }
             top_map.insert(self.names.completions_name(id, n), Value::from(clamp(lp)));
         }
-        let chat = json!({"token": name, "logprob": logprob, "bytes": self.names.bytes(e.id, &name), "top_logprobs": top_list});
+        let chat = json!({"token": name, "logprob": logprob, "bytes": bytes(e.id, &name), "top_logprobs": top_list});
         let name = self.names.completions_name(e.id, name);
         Ok(Named { name, logprob, chat, top_map: Value::Object(top_map) })
     }

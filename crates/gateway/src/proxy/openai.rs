@@ -213,8 +213,8 @@ fn structured_outputs(outputs: &Value) -> Result<Option<Constraint>, ApiError> {
 }
 
 /// How many alternatives per output token the request asks log probabilities for (`None`: no
-/// logprobs): chat's `logprobs` and `top_logprobs`, completions' `logprobs`, checked as vLLM's
-/// server checks them.
+/// logprobs): chat's `logprobs` and `top_logprobs`, completions' `logprobs`, the Responses API's
+/// `include` and `top_logprobs`, checked as vLLM's server checks them.
 fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, ApiError> {
     let within = |key: &str, k: i64| {
         u32::try_from(k).ok().filter(|&k| i64::from(k) <= MAX_TOP_LOGPROBS).ok_or_else(|| {
@@ -233,6 +233,9 @@ fn logprobs(endpoint: Endpoint, body: &Value) -> Result<Option<u32>, ApiError> {
                 (true, top) => within("top_logprobs", top.unwrap_or(0)).map(Some),
             }
         }
+        // `top_logprobs` alone asks for nothing (vLLM's server reads it only with the `include`).
+        Endpoint::Responses if !responses::wants_logprobs(body) => Ok(None),
+        Endpoint::Responses => within("top_logprobs", integer(body, "top_logprobs")?.unwrap_or(0)).map(Some),
         _ => integer(body, "logprobs")?.map(|k| within("logprobs", k)).transpose(),
     }
 }
@@ -391,7 +394,11 @@ impl Plan {
             model: body.get("model").and_then(Value::as_str).unwrap_or(model).to_owned(),
             max_tokens_from_context: max_tokens.is_none(),
             echo,
-            responses: is_responses.then(|| ResponsesEcho::from_request(body)),
+            responses: is_responses.then(|| {
+                let mut echo = ResponsesEcho::from_request(body);
+                echo.set_top_logprobs(logprobs);
+                echo
+            }),
             generate_logprobs: None,
             sampling,
             stop: StopRule { stop, include_stop_str_in_output: include_stop, min_tokens: min_tokens as usize },
@@ -604,6 +611,21 @@ mod tests {
         assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": 0})), Some(0));
         assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": 5})), Some(5));
         assert_eq!(top(Endpoint::Completions, json!({"prompt": "x", "logprobs": null})), None);
+        let asked = json!(["message.output_text.logprobs"]);
+        assert_eq!(top(Endpoint::Responses, json!({"input": "x", "top_logprobs": 3})), None, "no `include`");
+        assert_eq!(top(Endpoint::Responses, json!({"input": "x", "include": asked})), Some(0));
+        assert_eq!(top(Endpoint::Responses, json!({"input": "x", "include": asked, "top_logprobs": 4})), Some(4));
+        let too_many =
+            Plan::from_request(Endpoint::Responses, &json!({"input": "x", "include": asked, "top_logprobs": 21}), "m");
+        assert!(too_many.unwrap_err().to_string().contains("`top_logprobs`"));
+        let echo = |body: Value| Plan::from_request(Endpoint::Responses, &body, "m").unwrap().responses.unwrap();
+        let shown = |body: Value| {
+            let shape = super::super::responses::ResponsesShape::new("k", 0, "m".into(), echo(body), false);
+            let finish = Finish { reason: "stop".into(), stop_reason: Value::Null };
+            shape.body("", Value::Null, &finish, Usage::default())["top_logprobs"].clone()
+        };
+        assert_eq!(shown(json!({"input": "x", "top_logprobs": 3})), Value::Null, "as vLLM's server echoes it");
+        assert_eq!(shown(json!({"input": "x", "include": asked, "top_logprobs": 3})), json!(3));
     }
 
     #[test]

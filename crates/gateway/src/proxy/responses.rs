@@ -63,12 +63,7 @@ pub(super) fn check(body: &Value) -> Result<(), ApiError> {
     if !left_at(body, "reasoning", &Value::Null) {
         return Err(unsupported("reasoning", "(reasoning is not parsed yet)"));
     }
-    if !left_at(body, "include", &json!([])) {
-        return Err(unsupported("include", "(output logprobs and tool outputs are not served yet)"));
-    }
-    if !left_at(body, "top_logprobs", &json!(0)) {
-        return Err(unsupported("top_logprobs", "(output logprobs are not served yet)"));
-    }
+    check_include(body)?;
     if !left_at(body, "background", &json!(false)) {
         return Err(unsupported("background", "(kvgate keeps no responses to run later)"));
     }
@@ -84,6 +79,38 @@ pub(super) fn check(body: &Value) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// What `include` may ask: the output text's log probabilities. The other values name what this
+/// gateway does not produce (tool outputs, images, encrypted reasoning).
+fn check_include(body: &Value) -> Result<(), ApiError> {
+    let items = match body.get("include") {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(ApiError::invalid("include", "`include` must be an array of strings")),
+    };
+    for item in items {
+        match item.as_str() {
+            Some(OUTPUT_LOGPROBS) => {}
+            Some(other) => {
+                return Err(unsupported(
+                    "include",
+                    &format!("value {other:?} (only {OUTPUT_LOGPROBS:?} is served with gRPC workers)"),
+                ))
+            }
+            None => return Err(ApiError::invalid("include", "`include` must be an array of strings")),
+        }
+    }
+    Ok(())
+}
+
+/// Whether the request asks for the output text's log probabilities (vLLM's server asks its engine
+/// for them only then, whatever `top_logprobs` says).
+pub(super) fn wants_logprobs(body: &Value) -> bool {
+    body.get("include").and_then(Value::as_array).is_some_and(|items| items.iter().any(|i| i == OUTPUT_LOGPROBS))
+}
+
+/// The `include` value that asks for the output text's log probabilities.
+const OUTPUT_LOGPROBS: &str = "message.output_text.logprobs";
 
 /// An `input` item must be a message of text parts.
 fn check_item(item: &Value, i: usize) -> Result<(), ApiError> {
@@ -178,6 +205,12 @@ impl ResponsesEcho {
     pub fn set_max_output_tokens(&mut self, max_tokens: Option<u32>) {
         self.fields.insert("max_output_tokens".into(), max_tokens.map_or(Value::Null, Value::from));
     }
+
+    /// Records the alternatives per token the worker was asked for (`null` when the request asks
+    /// for no logprobs, as vLLM's server shows it).
+    pub fn set_top_logprobs(&mut self, top: Option<u32>) {
+        self.fields.insert("top_logprobs".into(), top.map_or(Value::Null, Value::from));
+    }
 }
 
 /// The Responses API's usage object.
@@ -214,6 +247,8 @@ pub(super) struct ResponsesShape {
     opened: bool,
     /// The text streamed so far.
     text: String,
+    /// The log probabilities streamed so far, when the request asked for them.
+    logprobs: Vec<Value>,
     /// Whether a stream cut by the output limit ends with `response.incomplete` (SGLang's server,
     /// as OpenAI) rather than `response.completed` with status `incomplete` (vLLM's).
     incomplete_event: bool,
@@ -231,6 +266,7 @@ impl ResponsesShape {
             sequence: 0,
             opened: false,
             text: String::new(),
+            logprobs: Vec::new(),
             incomplete_event,
         }
     }
@@ -258,15 +294,17 @@ impl ResponsesShape {
         json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
     }
 
-    /// The assistant message item holding `text` (no part when there is no text, as vLLM's).
-    fn message(&self, text: &str, status: &str) -> Value {
-        let content = if text.is_empty() { json!([]) } else { json!([Self::part(text, Value::Null)]) };
+    /// The assistant message item holding `text` and its tokens' `logprobs` (no part when there
+    /// is no text, as vLLM's).
+    fn message(&self, text: &str, logprobs: Value, status: &str) -> Value {
+        let content = if text.is_empty() { json!([]) } else { json!([Self::part(text, logprobs)]) };
         json!({"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content})
     }
 
-    /// The whole response of a request that did not stream.
-    pub fn body(&self, text: &str, finish: &Finish, usage: Usage) -> Value {
-        self.object(status_of(finish), json!([self.message(text, "completed")]), Some(usage))
+    /// The whole response of a request that did not stream; `logprobs` is the list of its tokens'
+    /// log probabilities ([`super::logprobs`]), or `null` when not asked.
+    pub fn body(&self, text: &str, logprobs: Value, finish: &Finish, usage: Usage) -> Value {
+        self.object(status_of(finish), json!([self.message(text, logprobs, "completed")]), Some(usage))
     }
 
     /// One named event, numbered.
@@ -289,8 +327,10 @@ impl ResponsesShape {
         out
     }
 
-    /// The events for new text: the assistant message opened on the first text, then the delta.
-    pub fn delta(&mut self, delta: &str) -> String {
+    /// The events for new text: the assistant message opened on the first text, then the delta
+    /// with the log probabilities of the tokens it shows (a list, or `null` when not asked). A
+    /// delta event names each token and its alternatives without their bytes, as vLLM's does.
+    pub fn delta(&mut self, delta: &str, logprobs: Value) -> String {
         if delta.is_empty() {
             return String::new();
         }
@@ -307,30 +347,43 @@ impl ResponsesShape {
             ));
         }
         self.text.push_str(delta);
+        let entries = match logprobs {
+            Value::Array(entries) => entries,
+            _ => Vec::new(),
+        };
+        let streamed: Vec<Value> = entries.iter().map(without_bytes).collect();
+        self.logprobs.extend(entries);
         let item_id = self.item_id.clone();
         out.push_str(&self.event(
             "response.output_text.delta",
-            json!({"content_index": 0, "output_index": 0, "item_id": item_id, "delta": delta, "logprobs": []}),
+            json!({"content_index": 0, "output_index": 0, "item_id": item_id, "delta": delta, "logprobs": streamed}),
         ));
         out
     }
 
     /// The stream's last events: the message closed (when it was opened) and the final response.
-    pub fn closing(&mut self, finish: &Finish, usage: Usage) -> String {
+    /// `trailing` holds the log probabilities of tokens that showed no text (the end-of-sequence
+    /// token): no delta carried them, the finished message lists them with the rest.
+    pub fn closing(&mut self, finish: &Finish, usage: Usage, trailing: Value) -> String {
+        if let Value::Array(entries) = trailing {
+            self.logprobs.extend(entries);
+        }
         let mut out = String::new();
         let mut output = Vec::new();
         if self.opened {
             let (text, item_id) = (self.text.clone(), self.item_id.clone());
+            // vLLM's server shows `null` where no token's logprobs were asked.
+            let logprobs = if self.logprobs.is_empty() { Value::Null } else { Value::Array(self.logprobs.clone()) };
             out.push_str(&self.event(
                 "response.output_text.done",
                 json!({"output_index": 0, "content_index": 0, "text": text, "logprobs": [], "item_id": item_id}),
             ));
-            let part = Self::part(&text, Value::Null);
+            let part = Self::part(&text, logprobs.clone());
             out.push_str(&self.event(
                 "response.content_part.done",
                 json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
             ));
-            let item = self.message(&text, "completed");
+            let item = self.message(&text, logprobs, "completed");
             out.push_str(&self.event("response.output_item.done", json!({"output_index": 0, "item": item})));
             output.push(item);
         }
@@ -350,6 +403,17 @@ impl ResponsesShape {
     }
 }
 
+/// A token's log probability as a delta event shows it: its name, value and alternatives, no bytes.
+fn without_bytes(entry: &Value) -> Value {
+    let alternatives: Vec<Value> = entry["top_logprobs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| json!({"token": t["token"], "logprob": t["logprob"]}))
+        .collect();
+    json!({"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": alternatives})
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,7 +430,9 @@ mod tests {
         assert!(err(json!({"input": "hi", "previous_response_id": "resp_1"})).contains("`previous_response_id`"));
         assert!(err(json!({"input": "hi", "truncation": "auto"})).contains("`truncation`"));
         assert!(err(json!({"input": "hi", "reasoning": {"effort": "low"}})).contains("`reasoning`"));
-        assert!(err(json!({"input": "hi", "include": ["message.output_text.logprobs"]})).contains("`include`"));
+        assert!(check(&json!({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3})).is_ok());
+        assert!(err(json!({"input": "hi", "include": ["reasoning.encrypted_content"]})).contains("`include`"));
+        assert!(err(json!({"input": "hi", "include": "message.output_text.logprobs"})).contains("`include`"));
         assert!(err(json!({"input": "hi", "background": true})).contains("`background`"));
         let call = json!({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c", "output": "1"}]});
         assert!(err(call).contains("`input[1]` is a `function_call_output` item"));
@@ -392,14 +458,14 @@ mod tests {
         let echo = ResponsesEcho::from_request(&json!({"input": "hi", "instructions": "Be brief."}));
         let shape = ResponsesShape::new("k1", 7, "m".into(), echo, false);
         let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 2 };
-        let body = shape.body("Hello", &stop(), usage);
+        let body = shape.body("Hello", Value::Null, &stop(), usage);
         assert_eq!((body["object"].as_str(), body["status"].as_str()), (Some("response"), Some("completed")));
         assert_eq!(body["output"][0]["content"][0]["text"], "Hello");
         assert_eq!(body["output"][0]["role"], "assistant");
         assert_eq!(body["instructions"], "Be brief.");
         assert_eq!(body["usage"]["input_tokens_details"]["cached_tokens"], 2);
         assert_eq!(body["usage"]["total_tokens"], 8);
-        let cut = shape.body("", &Finish { reason: "length".into(), stop_reason: Value::Null }, usage);
+        let cut = shape.body("", Value::Null, &Finish { reason: "length".into(), stop_reason: Value::Null }, usage);
         assert_eq!(cut["status"], "incomplete");
         assert_eq!(cut["incomplete_details"]["reason"], "max_output_tokens");
         assert_eq!(cut["output"][0]["content"], json!([]));
@@ -410,11 +476,11 @@ mod tests {
         let echo = ResponsesEcho::from_request(&json!({"input": "hi"}));
         let mut shape = ResponsesShape::new("k2", 7, "m".into(), echo, true);
         let mut all = shape.opening();
-        assert_eq!(shape.delta(""), "", "no text yet, no message");
-        all.push_str(&shape.delta("Hel"));
-        all.push_str(&shape.delta("lo"));
+        assert_eq!(shape.delta("", Value::Null), "", "no text yet, no message");
+        all.push_str(&shape.delta("Hel", Value::Null));
+        all.push_str(&shape.delta("lo", Value::Null));
         let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0 };
-        all.push_str(&shape.closing(&Finish { reason: "length".into(), stop_reason: Value::Null }, usage));
+        all.push_str(&shape.closing(&Finish { reason: "length".into(), stop_reason: Value::Null }, usage, Value::Null));
         let kinds: Vec<&str> = all.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
         assert_eq!(
             kinds,
@@ -442,7 +508,39 @@ mod tests {
             (Some("incomplete"), Some("Hello"))
         );
         let mut quiet = ResponsesShape::new("k3", 7, "m".into(), ResponsesEcho::from_request(&json!({})), false);
-        let end = quiet.closing(&stop(), usage);
+        let end = quiet.closing(&stop(), usage, Value::Null);
         assert!(end.starts_with("event: response.completed\n") && end.contains("\"output\":[]"));
+    }
+
+    #[test]
+    fn logprobs_ride_with_the_text_and_the_finished_message_lists_them_all() {
+        let entry = |token: &str| json!({"token": token, "logprob": -0.5, "bytes": [1], "top_logprobs": [{"token": token, "logprob": -0.5, "bytes": [1]}]});
+        let mut echo = ResponsesEcho::from_request(&json!({"input": "hi"}));
+        echo.set_top_logprobs(Some(1));
+        let usage = Usage { prompt_tokens: 5, completion_tokens: 3, cached_tokens: 0 };
+        let whole = ResponsesShape::new("k4", 7, "m".into(), echo.clone(), false);
+        let body = whole.body("ab", json!([entry("a"), entry("b")]), &stop(), usage);
+        assert_eq!(body["top_logprobs"], 1);
+        assert_eq!(body["output"][0]["content"][0]["logprobs"][1], entry("b"));
+
+        let mut shape = ResponsesShape::new("k5", 7, "m".into(), echo, false);
+        let mut all = shape.opening();
+        all.push_str(&shape.delta("a", json!([entry("a")])));
+        all.push_str(&shape.delta("b", json!([entry("b")])));
+        all.push_str(&shape.closing(&stop(), usage, json!([entry("</s>")])));
+        let data: Vec<Value> =
+            all.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).unwrap()).collect();
+        let delta = data.iter().find(|d| d["type"] == "response.output_text.delta").unwrap();
+        assert_eq!(
+            delta["logprobs"],
+            json!([{"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5}]}]),
+            "a delta's logprobs carry no bytes"
+        );
+        let done = data.iter().find(|d| d["type"] == "response.content_part.done").unwrap();
+        assert_eq!(done["part"]["logprobs"], json!([entry("a"), entry("b"), entry("</s>")]));
+        let last = data.last().unwrap();
+        assert_eq!(last["response"]["output"][0]["content"][0]["logprobs"], done["part"]["logprobs"]);
+        let text_done = data.iter().find(|d| d["type"] == "response.output_text.done").unwrap();
+        assert_eq!(text_done["logprobs"], json!([]), "as vLLM's server sends it");
     }
 }

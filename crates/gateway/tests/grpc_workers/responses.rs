@@ -1,5 +1,6 @@
 //! The Responses API through a gRPC worker: the same text as chat, as one assistant message, whole
-//! and as numbered events; what the gateway cannot serve refused before anything is sent.
+//! and as numbered events, with its tokens' logprobs when asked; what the gateway cannot serve
+//! refused before anything is sent.
 
 use std::time::Duration;
 
@@ -96,6 +97,8 @@ async fn what_a_response_cannot_carry_to_a_worker_is_refused_by_name_before_it_i
         (json!({"tools": [{"type": "function", "name": "f"}]}), "`tools`"),
         (json!({"text": {"format": {"type": "json_schema", "name": "x"}}}), "`text.format`"),
         (json!({"n": 2}), "`n`"),
+        (json!({"include": ["reasoning.encrypted_content"]}), "`include`"),
+        (json!({"include": ["message.output_text.logprobs"], "top_logprobs": 21}), "`top_logprobs`"),
     ];
     for (extra, named) in refused {
         let resp = f.gw.post("/v1/responses", &request(false, extra.clone())).await;
@@ -105,4 +108,43 @@ async fn what_a_response_cannot_carry_to_a_worker_is_refused_by_name_before_it_i
         assert!(text.contains(named), "{extra} should name {named}: {text}");
     }
     assert!(f.seen.lock().generated.is_empty(), "nothing refused reached the worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_asked_by_include_list_every_token_whole_and_ride_with_the_streamed_text() {
+    let f = fixture(Duration::ZERO).await;
+    let asked = json!({"include": ["message.output_text.logprobs"], "top_logprobs": 2, "max_output_tokens": 64});
+    let body: Value = f.gw.post("/v1/responses", &request(false, asked.clone())).await.json().await.unwrap();
+    let sent = f.seen.lock().generated[0].clone();
+    assert!(sent.return_logprob && sent.top_logprobs_num == 2, "the worker is asked for them");
+    assert_eq!(body["top_logprobs"], 2, "{body}");
+    let listed = body["output"][0]["content"][0]["logprobs"].as_array().unwrap_or_else(|| panic!("{body}")).clone();
+    assert_eq!(listed.len() as u64, body["usage"]["output_tokens"].as_u64().unwrap(), "every token: {body}");
+    for (at, entry) in listed.iter().enumerate() {
+        assert_eq!(entry["logprob"].as_f64(), Some(f64::from(fake_logprob(at))), "{body}");
+        assert_eq!(entry["top_logprobs"].as_array().map(Vec::len), Some(2), "{body}");
+        let bytes: Vec<u8> = entry["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(bytes, entry["token"].as_str().unwrap().as_bytes(), "{body}");
+    }
+
+    let sse = f.gw.post("/v1/responses", &request(true, asked)).await.text().await.unwrap();
+    let events = named_events(&sse);
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .flat_map(|(_, d)| d["logprobs"].as_array().unwrap().clone())
+        .collect();
+    let (_, done) = events.iter().find(|(n, _)| n == "response.content_part.done").unwrap_or_else(|| panic!("{sse}"));
+    assert_eq!(done["part"]["logprobs"].as_array(), Some(&listed), "the finished message lists them all: {sse}");
+    assert!(!streamed.is_empty() && streamed.len() <= listed.len(), "{sse}");
+    for (delta, whole) in streamed.iter().zip(&listed) {
+        assert!(delta.get("bytes").is_none(), "a delta's carry no bytes: {sse}");
+        assert_eq!((&delta["token"], &delta["logprob"]), (&whole["token"], &whole["logprob"]), "{sse}");
+    }
+
+    let without = request(false, json!({"top_logprobs": 2}));
+    let plain: Value = f.gw.post("/v1/responses", &without).await.json().await.unwrap();
+    assert!(!f.seen.lock().generated[2].return_logprob, "top_logprobs alone asks for none");
+    assert_eq!(plain["output"][0]["content"][0]["logprobs"], Value::Null, "{plain}");
+    assert_eq!(plain["top_logprobs"], Value::Null, "{plain}");
 }

@@ -135,10 +135,46 @@ pub async fn outcome(base: &str, path: &str, body: &Value) -> anyhow::Result<Out
     Ok((choices, prompt, completion, logprobs))
 }
 
+/// The body to ask the engine's own server for when `body` is a Responses stream that asks for
+/// logprobs: the same answer whole. SGLang's server refuses logprobs in a stream, and vLLM's drops
+/// the logprobs of a token that shows no text (a character split across tokens), which kvgate
+/// carries with the next text; the whole answer lists every token's on both.
+pub fn whole_instead(path: &str, body: &Value) -> Option<Value> {
+    let asks = body["include"].as_array().is_some_and(|i| i.iter().any(|v| v == "message.output_text.logprobs"));
+    (path == "/v1/responses" && body["stream"] == true && asks).then(|| {
+        let mut whole = body.clone();
+        whole["stream"] = json!(false);
+        whole
+    })
+}
+
+/// `outcome` without the event a stream ended with, to be held against a whole answer.
+pub fn without_ending(mut outcome: Outcome) -> Outcome {
+    for choice in &mut outcome.0 {
+        if let Some(at) = choice.1.find(" via ") {
+            choice.1.truncate(at);
+        }
+    }
+    outcome
+}
+
 /// A Responses answer's outcome: the message's text with the response's status in place of a
-/// finish reason, and the input and output token counts. A stream's deltas must add up to the
-/// text of the response it ends with, and its events must be numbered in order.
+/// finish reason, the input and output token counts, and the message's logprobs when asked. A
+/// stream's deltas must add up to the text of the response it ends with, the logprobs they carry
+/// must begin the message's list (a token that shows no text has no delta to carry it), and its
+/// events must be numbered in order.
 fn responses_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
+    let logprobs_of = |response: &Value| -> Vec<Value> {
+        let parts = response["output"].as_array().into_iter().flatten().flat_map(|item| {
+            item["content"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|p| p["logprobs"].as_array().cloned().unwrap_or_default())
+        });
+        parts.collect()
+    };
+    let token_and_value = |t: &Value| (t["token"].clone(), t["logprob"].clone());
     let text_of = |response: &Value| -> String {
         let parts = response["output"]
             .as_array()
@@ -151,18 +187,24 @@ fn responses_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
     let mut ended_by = String::new();
     let response: Value = if stream {
         let mut deltas = String::new();
+        let mut delta_logprobs: Vec<Value> = Vec::new();
         let mut last = Value::Null;
         for (i, line) in raw.lines().filter_map(|l| l.strip_prefix("data: ")).enumerate() {
             let event: Value = serde_json::from_str(line).with_context(|| line.to_owned())?;
             ensure!(event["sequence_number"] == i as u64, "event {i} is numbered {}: {raw}", event["sequence_number"]);
             if event["type"] == "response.output_text.delta" {
                 deltas.push_str(event["delta"].as_str().unwrap_or_default());
+                delta_logprobs.extend(event["logprobs"].as_array().cloned().unwrap_or_default());
             }
             last = event;
         }
         let kind = last["type"].as_str().unwrap_or_default();
         ensure!(matches!(kind, "response.completed" | "response.incomplete"), "the stream ended with {kind}: {raw}");
         ensure!(deltas == text_of(&last["response"]), "the deltas {deltas:?} are not the response's text: {raw}");
+        let listed = logprobs_of(&last["response"]);
+        let begins = delta_logprobs.len() <= listed.len()
+            && delta_logprobs.iter().zip(&listed).all(|(d, l)| token_and_value(d) == token_and_value(l));
+        ensure!(begins, "the deltas' logprobs do not begin the message's: {raw}");
         ended_by = format!(" via {kind}");
         last["response"].clone()
     } else {
@@ -171,7 +213,9 @@ fn responses_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
     let status = format!("{}{ended_by}", response["status"].as_str().unwrap_or_default());
     let usage = &response["usage"];
     let (input, output) = (usage["input_tokens"].as_u64().unwrap_or(0), usage["output_tokens"].as_u64().unwrap_or(0));
-    Ok((vec![(text_of(&response), status)], input, output, vec![Vec::new()]))
+    // The message's list is chat's `content` list under another name.
+    let logprobs = shown(&json!({"content": logprobs_of(&response)}));
+    Ok((vec![(text_of(&response), status)], input, output, vec![logprobs]))
 }
 
 /// A `/generate` answer's outcome: each sequence's text, with its finish reason and output ids in
@@ -314,6 +358,12 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
             (responses, plain(json!({"input": "A person", "max_output_tokens": 40, "text": {"format": {"type": "json_schema",
                 "name": "person", "schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
                 "required": ["name"]}}}}))),
+            // Logprobs, with alternatives over characters split across tokens, and bare, cut at a
+            // stop string (a stream's are held against the whole answer: `whole_instead`).
+            (responses, plain(json!({"input": "列出三种水果", "max_output_tokens": 16,
+                "include": ["message.output_text.logprobs"], "top_logprobs": 2}))),
+            (responses, plain(json!({"input": "Tell me a story", "max_output_tokens": 12, "stop": ["e"],
+                "include": ["message.output_text.logprobs"]}))),
         ]);
         // SGLang's own `/generate`, on SGLang workers (vLLM's server has none).
         if runtime == Runtime::Sglang {
@@ -448,11 +498,15 @@ pub async fn a_grpc_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fle
     // Every case runs, and a failed one is reported with the rest (with the worker as kvgate saw
     // it), not in place of them.
     for (path, body) in &all {
-        let engine = outcome(&own.url(), path, body).await.map_err(|e| format!("{e:#}"));
+        let whole = whole_instead(path, body);
+        let engine = outcome(&own.url(), path, whole.as_ref().unwrap_or(body)).await.map_err(|e| format!("{e:#}"));
         let through = outcome(&gw.url, path, body).await.map_err(|e| format!("{e:#}"));
+        let through = if whole.is_some() { through.map(without_ending) } else { through };
         let equal = matches!((&engine, &through), (Ok(a), Ok(b)) if agree(a, b));
         // A case asking for logprobs compares them, so the engine must have shown some.
-        let asked = body.get("logprobs").is_some_and(|l| l != false) || body["return_logprob"] == true;
+        let asked = body.get("logprobs").is_some_and(|l| l != false)
+            || body["return_logprob"] == true
+            || body["include"].as_array().is_some_and(|i| !i.is_empty());
         if asked && engine.as_ref().is_ok_and(|e| e.3.iter().any(Vec::is_empty)) {
             differ.push(format!("{path} {body}\n    the engine's own server showed no logprobs: {engine:?}"));
         }

@@ -16,7 +16,7 @@
 # Env: RUNTIME (vllm|sglang), TRANSPORT (http, or grpc: the engines run as gRPC workers, SMG's
 # protocol, as the incident's fleet did; their hit rate is then the one their responses report, and
 # each one's share is counted from its servicer's log), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4),
-# PREFIX_WORDS (700, about 1,500 tokens), QUESTION_WORDS (250), OUTPUT (128 tokens), CLIENTS (16),
+# PREFIX_WORDS (700: 1,898 tokens on the tiny model), QUESTION_WORDS (250: about 680), OUTPUT (128 tokens), CLIENTS (16),
 # PER_BURST (48), BURSTS (6).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -27,10 +27,13 @@ pub enum Format {
 /// Flags of `kvgate sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Scenario: hot-prefix-51, multi-prefix, agentic, mooncake or azure [default: hot-prefix-51, or with
-    /// --trace the replay its extension names: .jsonl mooncake, .csv azure].
+    /// Scenario: hot-prefix-51, multi-prefix, agentic, incident-bursts, mooncake or azure [default:
+    /// hot-prefix-51, or with --trace the replay its extension names: .jsonl mooncake, .csv azure].
     #[arg(long)]
     scenario: Option<String>,
+    /// The incident-bursts scenario's shape (the real-fleet bench's, `scripts/real-engines/incident.sh`).
+    #[command(flatten)]
+    bursts: BurstArgs,
     /// Trace file for mooncake (JSONL) and azure (CSV) replays.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -190,6 +193,33 @@ pub struct SimArgs {
     replica_stagger_ms: u64,
 }
 
+/// Flags of the `incident-bursts` scenario; their defaults are `scripts/real-engines/incident.sh`'s
+/// requests on the tiny model's tokenizer.
+#[derive(Debug, Args)]
+pub struct BurstArgs {
+    /// incident-bursts: tokens of the hot prefix every request shares.
+    #[arg(long, default_value_t = 1900)]
+    prefix_tokens: u32,
+    /// incident-bursts: tokens of each request's own question.
+    #[arg(long, default_value_t = 680)]
+    question_tokens: u32,
+    /// incident-bursts: tokens each request generates.
+    #[arg(long, default_value_t = 128)]
+    output_tokens: u32,
+    /// incident-bursts: clients sending at once, each its next request once its answer is complete.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// incident-bursts: requests in a burst.
+    #[arg(long, default_value_t = 48)]
+    per_burst: usize,
+    /// incident-bursts: bursts, each once the one before has ended.
+    #[arg(long, default_value_t = 6)]
+    bursts: usize,
+    /// incident-bursts: milliseconds from a burst's last answer to the next burst.
+    #[arg(long, default_value_t = 1100)]
+    settle_ms: u64,
+}
+
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
     let params = WorkloadParams { workers: a.workers, rate: a.rate, duration_s: a.duration, seed: a.seed };
     if let Some(rate) = a.rate {
@@ -221,7 +251,7 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
                 t.display()
             ),
         },
-        (Some(s @ ("hot-prefix-51" | "multi-prefix" | "agentic")), Some(t)) => {
+        (Some(s @ ("hot-prefix-51" | "multi-prefix" | "agentic" | "incident-bursts")), Some(t)) => {
             bail!("--trace {} applies to the mooncake and azure replays, not to the synthetic {s}", t.display())
         }
         (Some(s), Some(_)) => s,
@@ -230,6 +260,23 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
         "agentic" => workload::agentic(params),
+        "incident-bursts" => {
+            let b = &a.bursts;
+            if b.clients == 0 || b.per_burst == 0 || b.bursts == 0 || b.prefix_tokens == 0 {
+                bail!("incident-bursts needs at least one client, request, burst and prefix token");
+            }
+            workload::incident_bursts(workload::IncidentBursts {
+                workers: a.workers.unwrap_or(4),
+                prefix_tokens: b.prefix_tokens,
+                question_tokens: b.question_tokens,
+                output_tokens: b.output_tokens,
+                clients: b.clients,
+                per_burst: b.per_burst,
+                bursts: b.bursts,
+                settle: Duration::from_millis(b.settle_ms),
+                seed: a.seed,
+            })
+        }
         "mooncake" => workload::mooncake_with_blocks(
             &trace("../shared/data/traces/mooncake_conversation_trace.jsonl"),
             a.workers.unwrap_or(16),
@@ -243,7 +290,9 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
             a.speedup,
             a.limit,
         )?,
-        other => bail!("unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, agentic, mooncake or azure"),
+        other => bail!(
+            "unknown scenario {other:?}: expected hot-prefix-51, multi-prefix, agentic, incident-bursts, mooncake or azure"
+        ),
     })
 }
 

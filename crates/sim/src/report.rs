@@ -63,7 +63,7 @@ impl Recorder {
     /// A recorder for `workload` routed by `policy`, in the run seeded with `seed`.
     pub fn new(workload: &Workload, policy: &PolicySpec, seed: u64) -> Self {
         let n = workload.requests.len();
-        let measured: Vec<bool> = workload.requests.iter().map(|r| r.direct_to.is_none()).collect();
+        let measured: Vec<bool> = workload.requests.iter().map(|r| r.direct_to.is_none() && !r.warm_up).collect();
         let open = measured.iter().filter(|m| **m).count();
         Recorder {
             scenario: workload.name.clone(),
@@ -100,6 +100,11 @@ impl Recorder {
         }
     }
 
+    /// Closed-loop request `i` is sent `at` (its arrival was not known in advance).
+    pub fn arrived(&mut self, i: usize, at: Timestamp) {
+        self.arrivals[i] = at;
+    }
+
     /// A policy decided request `i`.
     pub fn decision(&mut self, i: usize, pick: &Pick) {
         self.records[i].decided = Some(pick.worker);
@@ -120,7 +125,9 @@ impl Recorder {
     pub fn dispatched(&mut self, i: usize, worker: usize, held_tokens: u64) {
         self.records[i].worker = Some(worker);
         self.records[i].held_tokens = held_tokens;
-        self.worker_requests[worker] += 1;
+        if self.measured[i] {
+            self.worker_requests[worker] += 1;
+        }
     }
 
     /// Request `i` produced its first token.

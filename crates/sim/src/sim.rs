@@ -18,7 +18,7 @@ use crate::bus::{BusMessage, BusModel};
 use crate::faults::Fault;
 use crate::policy::{self, FleetInfo, PolicyRequest, PolicySpec, SimPolicy, WorkerView};
 use crate::report::{Outcome, Recorder, Report};
-use crate::workload::{SimRequest, Workload};
+use crate::workload::{After, SimRequest, Workload};
 use crate::SimError;
 
 /// Everything a run needs besides the workload.
@@ -184,6 +184,23 @@ pub struct Simulation<'w> {
     replay: bool,
     fleet_block: usize,
     next_background: u64,
+    /// The closed loop: who waits for what ([`crate::workload::After`]).
+    closed: ClosedLoop,
+}
+
+/// Requests sent when earlier ones end ([`crate::workload::After`]), and the latest arrival so far.
+#[derive(Debug, Default)]
+struct ClosedLoop {
+    /// Requests to send when the request of the key ends: (request, gap).
+    followers: FxHashMap<usize, Vec<(usize, Duration)>>,
+    /// Requests to send once every request listed before `.0` ended: (index, request, gap).
+    barriers: Vec<(usize, usize, Duration)>,
+    /// Which requests ended (completed, failed or rejected; background ones at once).
+    ended: Vec<bool>,
+    /// Requests `0..ended_prefix` all ended.
+    ended_prefix: usize,
+    /// The latest arrival scheduled so far.
+    last_arrival: Timestamp,
 }
 
 const BACKGROUND_IDS: u64 = 1 << 62;
@@ -286,6 +303,7 @@ impl<'w> Simulation<'w> {
             kv_loss,
             replay,
             next_background: BACKGROUND_IDS,
+            closed: ClosedLoop { ended: vec![false; workload.requests.len()], ..ClosedLoop::default() },
             cfg,
         })
     }
@@ -293,8 +311,17 @@ impl<'w> Simulation<'w> {
     /// Runs to completion (or to the drain limit) and reports.
     pub fn run(mut self) -> Report {
         for (i, r) in self.workload.requests.iter().enumerate() {
-            self.queue.push(r.arrival, Ev::Arrival(i));
+            match r.after {
+                None => {
+                    self.queue.push(r.arrival, Ev::Arrival(i));
+                    self.closed.last_arrival = self.closed.last_arrival.max(r.arrival);
+                }
+                Some(After::Request { index, gap }) => self.closed.followers.entry(index).or_default().push((i, gap)),
+                Some(After::AllBefore { index, gap }) => self.closed.barriers.push((index, i, gap)),
+            }
         }
+        // A burst waiting for nothing before it goes at once.
+        self.release_barriers(Timestamp::ZERO);
         for w in 0..self.hosts.len() {
             self.queue.push(Timestamp::ZERO, Ev::Poll(w));
             if let Some(batch) = self.hosts[w].engine.flush_idle() {
@@ -318,16 +345,15 @@ impl<'w> Simulation<'w> {
         if let Some(bus) = self.cfg.replica_sync.filter(|_| self.replicas.iter().any(|r| r.shares)) {
             self.queue.push(Timestamp::ZERO.saturating_add(bus.state_interval), Ev::BusState);
         }
-        let last_arrival = self.workload.requests.last().map_or(Timestamp::ZERO, |r| r.arrival);
-        let stop = last_arrival.saturating_add(self.cfg.drain);
         let mut now = Timestamp::ZERO;
         while let Some((at, ev)) = self.queue.pop() {
-            if at > stop {
+            // Closed-loop arrivals move the last arrival, and the drain limit with it.
+            if at > self.closed.last_arrival.saturating_add(self.cfg.drain) {
                 break;
             }
             now = at;
             self.handle(now, ev);
-            if self.rec.all_done() && now >= last_arrival {
+            if self.rec.all_done() && now >= self.closed.last_arrival {
                 break;
             }
         }
@@ -427,6 +453,7 @@ impl<'w> Simulation<'w> {
             let id = RequestId(self.next_background);
             self.next_background += 1;
             self.submit(w, EngineRequest { id, tokens, output_tokens: req.output_tokens }, now);
+            self.ended(i, now);
             return;
         }
         // Replicas sit behind one Service that spreads requests over them at random.
@@ -487,6 +514,7 @@ impl<'w> Simulation<'w> {
         };
         let Some(pick) = pick else {
             self.rec.outcome(i, Outcome::Failed, now);
+            self.ended(i, now);
             return;
         };
         self.changed(replica, now);
@@ -499,6 +527,7 @@ impl<'w> Simulation<'w> {
             self.replicas[replica].policy.on_finish(id, now, None);
             self.changed(replica, now);
             self.rec.outcome(i, Outcome::Rejected, now);
+            self.ended(i, now);
             return;
         }
         let v = &mut self.replicas[replica].view[pick.worker];
@@ -579,6 +608,7 @@ impl<'w> Simulation<'w> {
                 r.policy.on_finish(done.id, now, Some(done.output_tokens));
                 self.changed(f.replica, now);
                 self.rec.completed(f.request, &done, now);
+                self.ended(f.request, now);
             }
         }
         if let Some(batch) = batch {
@@ -743,8 +773,39 @@ impl<'w> Simulation<'w> {
                 r.policy.on_finish(id, now, None);
                 self.changed(f.replica, now);
                 self.rec.outcome(f.request, Outcome::Failed, now);
+                self.ended(f.request, now);
             }
         }
+    }
+
+    /// Request `i` ended: the requests that waited for it are sent.
+    fn ended(&mut self, i: usize, now: Timestamp) {
+        let c = &mut self.closed;
+        c.ended[i] = true;
+        while c.ended.get(c.ended_prefix) == Some(&true) {
+            c.ended_prefix += 1;
+        }
+        for (j, gap) in c.followers.remove(&i).unwrap_or_default() {
+            self.send_later(j, now.saturating_add(gap));
+        }
+        self.release_barriers(now);
+    }
+
+    /// Sends the requests whose earlier requests all ended.
+    fn release_barriers(&mut self, now: Timestamp) {
+        let prefix = self.closed.ended_prefix;
+        let (ready, waiting): (Vec<_>, Vec<_>) = self.closed.barriers.drain(..).partition(|b| b.0 <= prefix);
+        self.closed.barriers = waiting;
+        for (_, j, gap) in ready {
+            self.send_later(j, now.saturating_add(gap));
+        }
+    }
+
+    /// Schedules closed-loop request `j` to arrive `at`.
+    fn send_later(&mut self, j: usize, at: Timestamp) {
+        self.rec.arrived(j, at);
+        self.closed.last_arrival = self.closed.last_arrival.max(at);
+        self.queue.push(at, Ev::Arrival(j));
     }
 
     fn disconnect(&mut self, w: usize, duration: Duration, now: Timestamp) {

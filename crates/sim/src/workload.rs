@@ -7,6 +7,7 @@
 
 use std::io::BufRead;
 use std::path::Path;
+use std::time::Duration;
 
 use kvgate_core::hashing::{digest_str, synthetic_tokens};
 use kvgate_core::Timestamp;
@@ -70,6 +71,31 @@ pub struct SimRequest {
     /// Background load placed directly on an engine before the measured traffic (not routed, not
     /// reported).
     pub direct_to: Option<usize>,
+    /// Sent only once earlier requests have ended (a client that waits for its answer), `arrival`
+    /// then being unused; `None`: sent at `arrival`.
+    pub after: Option<After>,
+    /// Routed like the rest but not reported (a request that sets the scene, as a real client's
+    /// warm-up).
+    pub warm_up: bool,
+}
+
+/// What a closed-loop request waits for before it is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum After {
+    /// `gap` after request `index` ended (its client's previous request).
+    Request {
+        /// The request waited for.
+        index: usize,
+        /// Time from its end to this one's arrival.
+        gap: Duration,
+    },
+    /// `gap` after every request listed before `index` ended (the fleet idle between bursts).
+    AllBefore {
+        /// The requests waited for are those listed before this index.
+        index: usize,
+        /// Time from the last one's end to this one's arrival.
+        gap: Duration,
+    },
 }
 
 /// A generated workload.
@@ -174,6 +200,8 @@ pub fn hot_prefix_51(p: WorkloadParams) -> Workload {
             output_tokens: 512,
             hot: false,
             direct_to: Some(0),
+            after: None,
+            warm_up: false,
         });
     }
     // The burst starts once the owner has published the prefix and filled its batch.
@@ -184,9 +212,77 @@ pub fn hot_prefix_51(p: WorkloadParams) -> Workload {
             output_tokens: 256,
             hot: true,
             direct_to: None,
+            after: None,
+            warm_up: false,
         });
     }
     Workload { name: "hot-prefix-51".into(), workers, requests, hot_owner: Some(0) }
+}
+
+/// The incident's bursts as `scripts/real-engines/incident-client.py` sends them to a real fleet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IncidentBursts {
+    /// Engines in the fleet.
+    pub workers: usize,
+    /// Tokens of the hot prefix every request starts with.
+    pub prefix_tokens: u32,
+    /// Tokens of each request's own question after it.
+    pub question_tokens: u32,
+    /// Tokens each request generates.
+    pub output_tokens: u32,
+    /// Clients sending at once, each its next request when its answer is complete.
+    pub clients: usize,
+    /// Requests in a burst.
+    pub per_burst: usize,
+    /// Bursts, each sent once the one before has ended.
+    pub bursts: usize,
+    /// Time from a burst's last answer to the next burst (the client waits for the fleet to idle).
+    pub settle: Duration,
+    /// Seed of the questions.
+    pub seed: u64,
+}
+
+/// `incident-bursts`: the incident's shape as the real-fleet bench sends it. One request of the
+/// hot prefix makes an engine its owner (a warm-up, not reported); then `bursts` bursts of
+/// `per_burst` requests that share the prefix, each with its own question, from `clients` closed-loop
+/// clients: client k sends the burst's requests k, k + clients, ..., each once its previous answer
+/// is complete, and a burst starts `settle` after the one before has ended.
+pub fn incident_bursts(p: IncidentBursts) -> Workload {
+    let hot = Segment { seed: digest_str("incident-bursts/prefix"), len: p.prefix_tokens };
+    let with_question = |what: &str, i: u64, len: u32| PromptSpec {
+        segments: vec![hot, Segment { seed: unique(p.seed, what, i), len }],
+    };
+    let mut requests = vec![SimRequest {
+        arrival: Timestamp::ZERO,
+        prompt: with_question("incident/warm-up", 0, 4),
+        output_tokens: 1,
+        hot: true,
+        direct_to: None,
+        after: None,
+        warm_up: true,
+    }];
+    let clients = p.clients.max(1);
+    for _ in 0..p.bursts {
+        let first = requests.len();
+        for j in 0..p.per_burst {
+            let after = if j < clients {
+                After::AllBefore { index: first, gap: p.settle }
+            } else {
+                After::Request { index: first + j - clients, gap: Duration::ZERO }
+            };
+            let i = requests.len() as u64;
+            requests.push(SimRequest {
+                arrival: Timestamp::ZERO,
+                prompt: with_question("incident/question", i, p.question_tokens),
+                output_tokens: p.output_tokens,
+                hot: true,
+                direct_to: None,
+                after: Some(after),
+                warm_up: false,
+            });
+        }
+    }
+    Workload { name: "incident-bursts".into(), workers: p.workers, requests, hot_owner: None }
 }
 
 /// `multi-prefix`: several hot prefixes of different lengths with Zipf popularity (s = 1.1); each
@@ -215,6 +311,8 @@ pub fn multi_prefix(p: WorkloadParams) -> Workload {
             output_tokens: rng.random_range(50..500),
             hot: k == 0,
             direct_to: None,
+            after: None,
+            warm_up: false,
         });
     }
     Workload { name: "multi-prefix".into(), workers, requests, hot_owner: None }
@@ -267,6 +365,8 @@ pub fn agentic(p: WorkloadParams) -> Workload {
                 output_tokens,
                 hot: agent == 0,
                 direct_to: None,
+                after: None,
+                warm_up: false,
             });
             let key = session << 8 | turn;
             segments.push(Segment { seed: unique(p.seed, "agentic/output", key), len: output_tokens });
@@ -335,6 +435,8 @@ pub fn mooncake_with_blocks(
             output_tokens: row.output_length.clamp(1, u32::MAX as u64) as u32,
             hot: row.hash_ids.first() == Some(&0),
             direct_to: None,
+            after: None,
+            warm_up: false,
         });
     }
     Ok(trace_workload("mooncake", path, workers, requests))
@@ -367,6 +469,8 @@ pub fn azure(path: &Path, workers: usize, speedup: f64, limit: Option<usize>) ->
             output_tokens: generated.max(1),
             hot: false,
             direct_to: None,
+            after: None,
+            warm_up: false,
         });
     }
     Ok(trace_workload("azure", path, workers, requests))
@@ -434,6 +538,8 @@ mod tests {
                     output_tokens: 1,
                     hot: false,
                     direct_to: None,
+                    after: None,
+                    warm_up: false,
                 })
                 .collect(),
             hot_owner: None,

@@ -317,3 +317,40 @@ fn the_oracle_decides_on_true_load_even_when_no_report_is_fresh() {
     let plain = run(&m, "oracle");
     assert!(plain.ttft_s.p90 <= run(&m, "projected:enforce").ttft_s.p90, "{:?}", plain.ttft_s);
 }
+
+fn bursts(workers: usize, clients: usize, per_burst: usize, n: usize) -> Workload {
+    workload::incident_bursts(workload::IncidentBursts {
+        workers,
+        prefix_tokens: 2048,
+        question_tokens: 512,
+        output_tokens: 64,
+        clients,
+        per_burst,
+        bursts: n,
+        settle: std::time::Duration::from_secs(1),
+        seed: 1,
+    })
+}
+
+#[test]
+fn closed_loop_clients_wait_for_their_answers_and_every_burst_is_sent() {
+    // One client: never two requests at once (one may wait out the step under way when it comes),
+    // and the run lasts at least the sum of the answers and the settles between bursts.
+    let one = run(&bursts(1, 1, 4, 2), "round_robin");
+    assert_eq!((one.requests.total, one.requests.completed), (8, 8), "the warm-up is not reported: {:?}", one.requests);
+    assert!(one.workers[0].max_waiting <= 1, "{:?}", one.workers);
+    let span = one.throughput.requests_per_s.recip() * 8.0;
+    assert!(span >= 8.0 * one.e2e_s.p50 * 0.9 + 1.0, "span {span} s, e2e p50 {} s", one.e2e_s.p50);
+    // Sixteen clients on one engine: the engine never holds more than sixteen.
+    let many = run(&bursts(1, 16, 48, 3), "round_robin");
+    assert_eq!(many.requests.completed, 144, "{:?}", many.requests);
+    assert!(many.workers[0].max_waiting <= 16, "{:?}", many.workers);
+    // The incident: SMG's cache_aware (no spill at 16 clients on 4 engines) keeps every burst on
+    // the owner; kvgate spreads it.
+    let w = bursts(4, 16, 48, 3);
+    let pinned = run(&w, "cache_aware");
+    let spread = run(&w, "projected:enforce");
+    assert!(pinned.hot_prefix.owner_share > 0.99, "{:?}", pinned.hot_prefix);
+    assert!(spread.hot_prefix.owner_share < 0.5, "{:?}", spread.hot_prefix);
+    assert!(spread.ttft_s.p90 < pinned.ttft_s.p90, "{:?} against {:?}", spread.ttft_s, pinned.ttft_s);
+}

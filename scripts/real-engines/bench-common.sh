@@ -216,6 +216,26 @@ with open(sys.argv[6], "w", buffering=1) as out:
 PY
 }
 
+# Keeps the run's pacer logs (each paced step's target and wall time) in DIR, since the next run's
+# fresh fleet starts them anew, and says how well each engine's busy steps kept to their target.
+keep_pace_logs() {
+  local dir="$1"
+  compgen -G "$run_dir/e*.pace.jsonl" > /dev/null || return 0
+  rm -rf "$dir" && mkdir -p "$dir" && cp "$run_dir"/e*.pace.jsonl "$dir"/
+  python3 - "$dir" <<'PY' >&2 || true
+import glob, json, os, statistics, sys
+parts = []
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "e*.pace.jsonl"))):
+    steps = [json.loads(line) for line in open(path)]
+    busy = [s for s in steps if s["decode_seqs"] > 0 or s["prefill_tokens"] > 1]
+    if busy:
+        late = sum(s["wall_ms"] > 1.05 * s["target_ms"] for s in busy) / len(busy)
+        compute = statistics.median(s["compute_ms"] / s["target_ms"] for s in busy)
+        parts.append(f"{os.path.basename(path).split('.')[0]} {len(busy)} busy steps, {late:.0%} over by >5%, own compute {compute:.0%} of the step")
+print("  pacing: " + ("; ".join(parts) if parts else "no busy steps"))
+PY
+}
+
 # Runs `FN CONFIG ROUND` for each of CONFIGS (comma-separated) in each of REPEATS rounds, each round
 # in a rotated order, every run on a freshly started fleet (cold caches) behind its router.
 for_each_run() {
@@ -233,6 +253,7 @@ for_each_run() {
       case "$cfg" in
         kvgate-*) curl -s -m 10 "http://127.0.0.1:$router_port/admin/decisions?limit=1000" > "$work/$cfg-$rep.decisions.json" || true ;;
       esac
+      keep_pace_logs "$work/$cfg-$rep.pace"
       stop_all
     done
   done

@@ -193,31 +193,76 @@ pub struct SimArgs {
     replica_stagger_ms: u64,
 }
 
-/// Flags of the `incident-bursts` scenario; their defaults are `scripts/real-engines/incident.sh`'s
-/// requests on the tiny model's tokenizer.
+/// Flags of the `incident-bursts` scenario; unset, `scripts/real-engines/incident.sh`'s requests on
+/// the tiny model's tokenizer. Any of them with another scenario is an error, not ignored.
 #[derive(Debug, Args)]
 pub struct BurstArgs {
-    /// incident-bursts: tokens of the hot prefix every request shares.
-    #[arg(long, default_value_t = 1900)]
-    prefix_tokens: u32,
-    /// incident-bursts: tokens of each request's own question.
-    #[arg(long, default_value_t = 680)]
-    question_tokens: u32,
-    /// incident-bursts: tokens each request generates.
-    #[arg(long, default_value_t = 128)]
-    output_tokens: u32,
-    /// incident-bursts: clients sending at once, each its next request once its answer is complete.
-    #[arg(long, default_value_t = 16)]
-    clients: usize,
-    /// incident-bursts: requests in a burst.
-    #[arg(long, default_value_t = 48)]
-    per_burst: usize,
-    /// incident-bursts: bursts, each once the one before has ended.
-    #[arg(long, default_value_t = 6)]
-    bursts: usize,
-    /// incident-bursts: milliseconds from a burst's last answer to the next burst.
-    #[arg(long, default_value_t = 1100)]
-    settle_ms: u64,
+    /// incident-bursts: tokens of the hot prefix every request shares [default: 1900].
+    #[arg(long)]
+    prefix_tokens: Option<u32>,
+    /// incident-bursts: tokens of each request's own question [default: 680].
+    #[arg(long)]
+    question_tokens: Option<u32>,
+    /// incident-bursts: tokens each request generates [default: 128].
+    #[arg(long)]
+    output_tokens: Option<u32>,
+    /// incident-bursts: clients sending at once, each its next request once its answer is
+    /// complete [default: 16].
+    #[arg(long)]
+    clients: Option<usize>,
+    /// incident-bursts: requests in a burst [default: 48].
+    #[arg(long)]
+    per_burst: Option<usize>,
+    /// incident-bursts: bursts, each once the one before has ended [default: 6].
+    #[arg(long)]
+    bursts: Option<usize>,
+    /// incident-bursts: milliseconds from a burst's last answer to the next burst [default: 1100].
+    #[arg(long)]
+    settle_ms: Option<u64>,
+}
+
+impl BurstArgs {
+    /// The first of these flags given, by name.
+    fn first_given(&self) -> Option<&'static str> {
+        [
+            ("--prefix-tokens", self.prefix_tokens.is_some()),
+            ("--question-tokens", self.question_tokens.is_some()),
+            ("--output-tokens", self.output_tokens.is_some()),
+            ("--clients", self.clients.is_some()),
+            ("--per-burst", self.per_burst.is_some()),
+            ("--bursts", self.bursts.is_some()),
+            ("--settle-ms", self.settle_ms.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, given)| given.then_some(name))
+    }
+
+    /// The scenario's shape on `workers` engines, the questions drawn from `seed`.
+    fn shape(&self, workers: usize, seed: u64) -> anyhow::Result<workload::IncidentBursts> {
+        let b = workload::IncidentBursts {
+            workers,
+            prefix_tokens: self.prefix_tokens.unwrap_or(1900),
+            question_tokens: self.question_tokens.unwrap_or(680),
+            output_tokens: self.output_tokens.unwrap_or(128),
+            clients: self.clients.unwrap_or(16),
+            per_burst: self.per_burst.unwrap_or(48),
+            bursts: self.bursts.unwrap_or(6),
+            settle: Duration::from_millis(self.settle_ms.unwrap_or(1100)),
+            seed,
+        };
+        for (name, value) in [
+            ("--prefix-tokens", b.prefix_tokens as usize),
+            ("--output-tokens", b.output_tokens as usize),
+            ("--clients", b.clients),
+            ("--per-burst", b.per_burst),
+            ("--bursts", b.bursts),
+        ] {
+            if value == 0 {
+                bail!("{name} must be at least 1 for incident-bursts");
+            }
+        }
+        Ok(b)
+    }
 }
 
 fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
@@ -256,26 +301,21 @@ fn load_workload(a: &SimArgs) -> anyhow::Result<Workload> {
         }
         (Some(s), Some(_)) => s,
     };
+    if let Some(flag) = a.bursts.first_given().filter(|_| scenario != "incident-bursts") {
+        bail!("{flag} applies to --scenario incident-bursts, not {scenario}");
+    }
     Ok(match scenario {
         "hot-prefix-51" => workload::hot_prefix_51(params),
         "multi-prefix" => workload::multi_prefix(params),
         "agentic" => workload::agentic(params),
         "incident-bursts" => {
-            let b = &a.bursts;
-            if b.clients == 0 || b.per_burst == 0 || b.bursts == 0 || b.prefix_tokens == 0 {
-                bail!("incident-bursts needs at least one client, request, burst and prefix token");
+            if let Some(flag) = [("--rate", a.rate.is_some()), ("--duration", a.duration.is_some())]
+                .into_iter()
+                .find_map(|(name, given)| given.then_some(name))
+            {
+                bail!("{flag} does not apply to incident-bursts: its clients send when their answers come");
             }
-            workload::incident_bursts(workload::IncidentBursts {
-                workers: a.workers.unwrap_or(4),
-                prefix_tokens: b.prefix_tokens,
-                question_tokens: b.question_tokens,
-                output_tokens: b.output_tokens,
-                clients: b.clients,
-                per_burst: b.per_burst,
-                bursts: b.bursts,
-                settle: Duration::from_millis(b.settle_ms),
-                seed: a.seed,
-            })
+            workload::incident_bursts(a.bursts.shape(a.workers.unwrap_or(4), a.seed)?)
         }
         "mooncake" => workload::mooncake_with_blocks(
             &trace("../shared/data/traces/mooncake_conversation_trace.jsonl"),
@@ -371,6 +411,7 @@ fn run_matrix(a: &SimArgs, names: &[String], profile: &EngineProfile, knobs: &Po
         ("--fault", !a.faults.is_empty()),
         ("--plot", a.plot.is_some()),
         ("--mode", a.mode.is_some()),
+        (a.bursts.first_given().unwrap_or_default(), a.bursts.first_given().is_some()),
     ];
     if let Some((flag, _)) = workload_flags.iter().find(|(_, set)| *set) {
         bail!("{flag} does not combine with --matrix: the matrix's scenarios fix their own workloads (see --help)");

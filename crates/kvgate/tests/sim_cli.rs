@@ -96,6 +96,12 @@ fn bad_flags_are_rejected_with_a_message() {
         (vec!["sim", "--escape-seconds=-1"], "escape_seconds"),
         (vec!["sim", "--profile", "tpu"], "unknown profile"),
         (vec!["sim", "--scenario", "mooncake", "--trace", "/nonexistent.jsonl"], "nonexistent"),
+        (
+            vec!["sim", "--scenario", "multi-prefix", "--clients", "8"],
+            "--clients applies to --scenario incident-bursts",
+        ),
+        (vec!["sim", "--scenario", "incident-bursts", "--rate", "5"], "--rate does not apply"),
+        (vec!["sim", "--scenario", "incident-bursts", "--per-burst", "0"], "--per-burst must be at least 1"),
     ] {
         let out = kvgate(&args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -167,7 +173,21 @@ fn the_matrix_refuses_workload_flags_and_markdown_needs_it() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     assert!(err(&["sim", "--matrix", "--rate", "5"]).contains("--rate does not combine with --matrix"));
+    assert!(err(&["sim", "--matrix", "--bursts", "2"]).contains("--bursts does not combine with --matrix"));
     assert!(err(&["sim", "--matrix", "mooncake"]).contains("mooncake-conversation"));
     assert!(err(&["sim", "--matrix", "--seeds", "0"]).contains("--seeds"));
     assert!(err(&["sim", "--format", "markdown"]).contains("--matrix"));
+}
+
+#[test]
+fn incident_bursts_replay_the_benchs_closed_loop_clients() {
+    let args = ["sim", "--scenario", "incident-bursts", "--bursts", "2", "--per-burst", "16", "--clients", "4"];
+    let r = ok_json(&[&args[..], &["--compare", "cache_aware,projected:enforce", "--format", "json"]].concat());
+    let runs = r["runs"].as_array().unwrap();
+    for run in runs {
+        assert_eq!(run["requests"]["total"], 32, "the warm-up is not reported: {run}");
+        assert_eq!(run["requests"]["completed"], 32, "{run}");
+        assert_eq!(run["workers"].as_array().map(Vec::len), Some(4), "four engines by default: {run}");
+    }
+    assert_eq!(runs[0]["hot_prefix"]["owner_share"], 1.0, "cache_aware pins the prefix: {}", runs[0]);
 }

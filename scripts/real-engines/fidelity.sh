@@ -42,7 +42,7 @@ from fidelity_common import error, latencies, mean, pairs, runs_count
 results, sim_path, rows, engines, runtime, pace, scale = sys.argv[1:8]
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"), ("smg-cache_aware", "cache_aware")]
 print(f"{rows} Mooncake rows on {engines} {runtime} engines paced as {pace} x {scale}: real (mean of "
-      f"{runs_count(results, 3)} runs) against kvgate sim; error = sim / real - 1\n")
+      f"{runs_count(results)} runs) against kvgate sim; error = sim / real - 1\n")
 print("| router | | TTFT p50 (ms) | p90 | p99 | e2e p50 (ms) | output tok/s | hit rate | shares, largest first | busiest peak queue |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)

@@ -1,6 +1,7 @@
 """What fidelity.sh and incident-fidelity.sh share: a real run's results against `kvgate sim`'s, each
 real router paired with the simulator's model of it, and the latency columns both tables print."""
 
+import collections
 import json
 import statistics
 
@@ -34,6 +35,7 @@ def latencies(rs, s):
     return real, sim
 
 
-def runs_count(results_path, configs):
-    """Runs per config in a results file."""
-    return sum(1 for _ in open(results_path)) // configs
+def runs_count(results_path):
+    """Runs of the config run most often in a results file."""
+    counts = collections.Counter(json.loads(line)["config"] for line in open(results_path))
+    return max(counts.values(), default=0)

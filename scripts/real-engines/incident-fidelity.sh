@@ -72,7 +72,7 @@ names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"
          ("smg-cache_aware-unguarded", "cache_aware")]
 owner_first = lambda xs, owner: [xs[owner]] + [x for i, x in enumerate(xs) if i != owner]
 print(f"the incident's bursts on {engines} {runtime} engines paced as {pace} x {scale} (prefix {prefix_tokens} "
-      f"tokens, questions {question_tokens}): real (mean of {runs_count(results, 3)} runs) against kvgate sim; "
+      f"tokens, questions {question_tokens}): real (mean of {runs_count(results)} runs) against kvgate sim; "
       f"error = sim / real - 1\n")
 print("| router | | TTFT p50 (ms) | p90 | p99 | e2e p50 (ms) | hit rate | shares, owner first | peak waiting, owner first |")
 print("|---|---|---|---|---|---|---|---|---|")

@@ -411,8 +411,9 @@ fn run_matrix(a: &SimArgs, names: &[String], profile: &EngineProfile, knobs: &Po
         ("--fault", !a.faults.is_empty()),
         ("--plot", a.plot.is_some()),
         ("--mode", a.mode.is_some()),
-        (a.bursts.first_given().unwrap_or_default(), a.bursts.first_given().is_some()),
     ];
+    let burst_flag = a.bursts.first_given().map(|flag| (flag, true));
+    let workload_flags: Vec<(&str, bool)> = workload_flags.into_iter().chain(burst_flag).collect();
     if let Some((flag, _)) = workload_flags.iter().find(|(_, set)| *set) {
         bail!("{flag} does not combine with --matrix: the matrix's scenarios fix their own workloads (see --help)");
     }

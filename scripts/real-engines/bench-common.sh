@@ -9,19 +9,20 @@
 # from the responses' usage; fleet_finished counts the requests each servicer's log names, and
 # sample_queues asks each worker's own GetLoads). It gets: kvgate, model, rates (the worker options kvgate is given),
 # run_dir, base, router_port, pace_label, the engines' metric names (cached_metric, prompt_metric,
-# waiting_metric, running_metric, finished_metric), and the functions engine_port, start_fleet,
-# start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished, sample_queues
+# waiting_metric, running_metric, finished_metric, preempted_metric), and the functions engine_port,
+# start_fleet, start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished,
+# fleet_preemptions, fleet_counter, sample_queues
 # and for_each_run.
 
 case "$runtime" in
   vllm)
     cached_metric=vllm:prefix_cache_hits_total; prompt_metric=vllm:prefix_cache_queries_total
     waiting_metric=vllm:num_requests_waiting; running_metric=vllm:num_requests_running
-    finished_metric=vllm:request_success_total ;;
+    finished_metric=vllm:request_success_total; preempted_metric=vllm:num_preemptions_total ;;
   sglang)
     cached_metric=sglang:cached_tokens_total; prompt_metric=sglang:prompt_tokens_total
     waiting_metric=sglang:num_queue_reqs; running_metric=sglang:num_running_reqs
-    finished_metric=sglang:num_requests_total ;;
+    finished_metric=sglang:num_requests_total; preempted_metric=sglang:num_retracted_requests_total ;;
   *) echo "$0: RUNTIME must be vllm or sglang, not $runtime" >&2; exit 2 ;;
 esac
 run_dir="$work/run"
@@ -149,7 +150,19 @@ fleet_finished() {
     grpc_gauges finished "$engines" "$base" "$runtime" "$run_dir"
     return
   fi
-  python3 - "$engines" "$base" "$finished_metric" <<'PY'
+  fleet_counter "$finished_metric"
+}
+
+# Each engine's running requests preempted so far (sent back to its queue, out of KV: vLLM's
+# preemptions, SGLang's retractions), by its own counter, space-separated; nothing for gRPC workers.
+fleet_preemptions() {
+  [ "${transport:-http}" = http ] && [ -n "$preempted_metric" ] || return 0
+  fleet_counter "$preempted_metric"
+}
+
+# Each engine's value of the counter NAME (its series summed over their labels), space-separated.
+fleet_counter() {
+  python3 - "$engines" "$base" "$1" <<'PY'
 import sys, urllib.request
 n, base, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 out = []

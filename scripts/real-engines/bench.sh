@@ -23,7 +23,8 @@
 # (cached over prompt tokens), each engine's share from its servicer's log, its queue from GetLoads.
 # Engines are paced like GPUs (scripts/real-engines/pacer/kvgate_pacer.py): env PACE names the engine
 # profile (default llama3-8b-h100; `off` runs them unpaced, each step as fast as the CPU computes it)
-# and PACE_SCALE how many times slower than that GPU they run (default 4). kvgate is given the paced
+# and PACE_SCALE how many times slower than that GPU they run (default 4 for vLLM, 8 for SGLang, whose
+# steps overrun at 4 when four engines work at once: docs/simulator-fidelity.md). kvgate is given the paced
 # rates; unpaced, the rates measured on this machine's CPU.
 # Prompts: each Mooncake hash id becomes a whole block of BLOCK tokens (env BLOCK, default 32) instead
 # of 512, prompts are cut to MAX_PROMPT tokens (env, default 3500), and outputs are a quarter of the
@@ -41,7 +42,8 @@ max_prompt="${MAX_PROMPT:-3500}"
 max_output="${MAX_OUTPUT:-64}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
-pace_scale="${PACE_SCALE:-4}"
+# SGLang engines run at half the pace: at x 4 their steps overrun when four engines work at once.
+pace_scale="${PACE_SCALE:-$([ "$runtime" = sglang ] && echo 8 || echo 4)}"
 trace=../shared/data/traces/mooncake_conversation_trace.jsonl
 [ -f "$trace" ] || { echo "bench.sh: $trace is missing" >&2; exit 1; }
 transport="${TRANSPORT:-http}"

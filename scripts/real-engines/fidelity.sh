@@ -19,7 +19,8 @@ time_scale="${3:-2}"
 repeats="${4:-1}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
-scale="${PACE_SCALE:-4}"
+# SGLang engines run at half the pace: at x 4 their steps overrun when four engines work at once.
+scale="${PACE_SCALE:-$([ "$runtime" = sglang ] && echo 8 || echo 4)}"
 kv_tokens="${KV_TOKENS:-65536}"
 block="${BLOCK:-32}"
 [ "$pace" != off ] || { echo "fidelity.sh: the simulator models paced engines; PACE=off has nothing to compare" >&2; exit 2; }

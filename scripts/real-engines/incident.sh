@@ -3,7 +3,7 @@
 # router), then bursts of requests sharing it from many clients at once. Each router runs on a fresh
 # fleet (cold caches), configs interleaved and repeated. Reports TTFT p50/p90/p99, end-to-end p50,
 # the owner's share of each burst, each engine's share and peak waiting queue (from its own
-# /metrics), and the engines' prefix-cache hit rate. Not part of CI; results go in
+# /metrics), the engines' prefix-cache hit rate and their preemptions. Not part of CI; results go in
 # docs/benchmarks-incident.md.
 #
 # Usage: scripts/real-engines/incident.sh [ENGINES] [REPEATS] [CONFIGS]
@@ -15,7 +15,7 @@
 #            bench-common.sh), smg-round_robin (default: kvgate-enforce,kvgate-off,smg-cache_aware)
 # Env: RUNTIME (vllm|sglang), TRANSPORT (http, or grpc: the engines run as gRPC workers, SMG's
 # protocol, as the incident's fleet did; their hit rate is then the one their responses report, and
-# each one's share is counted from its servicer's log), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4),
+# each one's share is counted from its servicer's log), PACE and PACE_SCALE (as bench.sh: default llama3-8b-h100 x 4, x 8 for SGLang),
 # PREFIX_WORDS (700: 1,898 tokens on the tiny model), QUESTION_WORDS (250: about 680), OUTPUT (128 tokens), CLIENTS (16),
 # PER_BURST (48), BURSTS (6).
 set -euo pipefail
@@ -26,7 +26,8 @@ configs="${3:-kvgate-enforce,kvgate-off,smg-cache_aware}"
 kv_tokens="${KV_TOKENS:-8192}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
-pace_scale="${PACE_SCALE:-4}"
+# SGLang engines run at half the pace: at x 4 their steps overrun when four engines work at once.
+pace_scale="${PACE_SCALE:-$([ "$runtime" = sglang ] && echo 8 || echo 4)}"
 transport="${TRANSPORT:-http}"
 work=target/real-engines/incident-$runtime
 [ "$transport" = grpc ] && work="$work-grpc"
@@ -49,15 +50,20 @@ results="$work/results.jsonl"
 bursts_once() {
   local cfg="$1" rep="$2"
   read -r hits0 queries0 < <(fleet_cache)
+  preempted0=$(fleet_preemptions)
   outcome=$("$client_python" scripts/real-engines/incident-client.py --router "http://127.0.0.1:$router_port" --ports "$ports" \
     "${gauges[@]}" --prefix-words "${PREFIX_WORDS:-700}" --question-words "${QUESTION_WORDS:-250}" \
     --output "${OUTPUT:-128}" --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" --seed "$rep")
   read -r hits1 queries1 < <(fleet_cache)
-  python3 - "$outcome" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" >> "$results" <<'PY'
+  preempted1=$(fleet_preemptions)
+  python3 - "$outcome" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" "$preempted0" "$preempted1" >> "$results" <<'PY'
 import json, sys
 r = json.loads(sys.argv[1])
 hits, queries = int(sys.argv[4]), int(sys.argv[5])
 r.update({"config": sys.argv[2], "round": int(sys.argv[3]), "engine_hit_rate": hits / queries if queries else None})
+# Each engine's preemptions in this run (vLLM's; SGLang's retractions; absent for gRPC workers).
+if sys.argv[7]:
+    r["preemptions"] = [int(b) - int(a) for a, b in zip(sys.argv[6].split(), sys.argv[7].split())]
 print(json.dumps(r))
 PY
   tail -n 1 "$results" >&2
@@ -88,12 +94,14 @@ for c in order:
           f"{mean(r['owner_share'] for r in rs):.2f} | {mean(max(r['peak_waiting']) for r in rs):.0f} | "
           f"{sum(r['failures'] for r in rs)} | {mean(hit(r) for r in rs):.3f} |")
 print("\nEach run (shares by engine, the owner first):\n")
-print("| router | round | TTFT p50 / p90 / p99 | shares | peak waiting | hit rate |")
-print("|---|---|---|---|---|---|")
+print("| router | round | TTFT p50 / p90 / p99 | shares | peak waiting | hit rate | preemptions |")
+print("|---|---|---|---|---|---|---|")
 for r in runs:
     t, o = r["ttft_ms"], r["owner"]
     shares = [r["shares"][o]] + [s for i, s in enumerate(r["shares"]) if i != o]
     peaks = [r["peak_waiting"][o]] + [s for i, s in enumerate(r["peak_waiting"]) if i != o]
+    pre = r.get("preemptions")
+    pre = " ".join(str(x) for x in [pre[o]] + [x for i, x in enumerate(pre) if i != o]) if pre else "-"
     print(f"| {r['config']} | {r['round']} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
-          f"{' '.join(f'{s:.2f}' for s in shares)} | {' '.join(f'{p:.0f}' for p in peaks)} | {hit(r):.3f} |")
+          f"{' '.join(f'{s:.2f}' for s in shares)} | {' '.join(f'{p:.0f}' for p in peaks)} | {hit(r):.3f} | {pre} |")
 PY

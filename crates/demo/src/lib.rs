@@ -341,6 +341,7 @@ pub async fn run_one_on(
                 planned_rates: rates.get(&format!("w{i}")).copied(),
                 measured_rates: None,
                 true_decode_rate: None,
+                preemptions: None,
             })
             .collect(),
         hot_prefix: HotPrefix { owner, owner_share: round(owner_share), requests: hot.len() as u64 },

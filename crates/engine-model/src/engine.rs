@@ -63,34 +63,60 @@ pub struct StepOutcome {
 #[derive(Debug)]
 struct Active {
     id: RequestId,
-    /// Dropped once the prompt's blocks are published.
+    /// The sequence's tokens: the prompt, then (vLLM flavour) every sampled token, which a
+    /// recompute after preemption and the blocks decoding fills need. SGLang flavour drops them once
+    /// the prompt's blocks are published.
     tokens: Vec<u32>,
+    /// Chained hashes of the sequence's full blocks: the prompt's from submission, then (vLLM
+    /// flavour) each block the decoding fills, once computed.
     hashes: Vec<EngineHash>,
     prompt_tokens: u64,
+    /// Prompt tokens served from the cache at the first admission (what the engine reports; a
+    /// recompute after preemption does not change it, as in vLLM's `num_cached_tokens`).
     cached_tokens: u64,
-    /// Leading prompt blocks taken from the cache at admission.
-    matched_blocks: usize,
-    /// Leading prompt blocks published to the prefix cache so far (matched ones included).
+    /// Whether the request was ever admitted (counted in the engine's totals).
+    admitted: bool,
+    /// Leading blocks referenced in the prefix cache: those found cached at admission, then those
+    /// it computed and published.
     published_blocks: usize,
-    prefilled: u64,
+    /// Tokens of the sequence whose KV is computed (vLLM's `num_computed_tokens`).
+    computed: u64,
     output_tokens: u32,
     generated: u32,
-    /// Private blocks held (partial prompt tail, decode, and full blocks until published).
+    /// Private blocks held (partial tail, decode, and full blocks until published).
     private_blocks: u64,
-    /// Uncached tokens estimated at arrival, for telemetry while queued.
+    /// Uncached tokens estimated when it was queued, for telemetry while it waits.
     uncached_at_arrival: u64,
-    /// Tokens computed after the sequence's last full block: the prompt's tail, then the generated
-    /// tokens fed back in (vLLM flavour, which caches a block of them as soon as it is full).
-    tail: Vec<u32>,
 }
 
 impl Active {
+    /// Tokens the sequence has: the prompt and every token sampled so far.
+    fn seq_len(&self) -> u64 {
+        self.prompt_tokens + u64::from(self.generated)
+    }
+
+    /// Tokens still to compute before the next token is sampled: 1 while decoding.
+    fn uncomputed(&self) -> u64 {
+        self.seq_len() - self.computed
+    }
+
+    /// Tokens left to prefill: the prompt's, or a preempted sequence's recompute; 0 while decoding.
     fn prefill_left(&self) -> u64 {
-        self.prompt_tokens - self.cached_tokens - self.prefilled
+        let left = self.uncomputed();
+        if self.generated == 0 || left > 1 {
+            left
+        } else {
+            0
+        }
+    }
+
+    /// Blocks the request holds, cached and private.
+    fn held_blocks(&self) -> u64 {
+        self.published_blocks as u64 + self.private_blocks
     }
 }
 
-/// The plan of the step in progress: per running request, decode (true) or a prefill chunk.
+/// The plan of the step in progress: per running request (by position), the tokens it computes.
 #[derive(Debug, Default)]
 struct Plan {
     work: Vec<(usize, u64)>,
@@ -114,6 +140,9 @@ pub struct Engine {
     pub prompt_tokens_total: u64,
     /// Prompt tokens served from the prefix cache since start.
     pub cached_tokens_total: u64,
+    /// Running requests preempted since start (vLLM flavour: out of KV blocks, the newest is sent
+    /// back to the queue and recomputed later).
+    pub preemptions_total: u64,
     /// Since start, over every step: decoding sequences, and their context tokens.
     decoded: (u64, u64),
 }
@@ -136,6 +165,7 @@ impl Engine {
             replay_buffer: REPLAY_BUFFER_STEPS,
             prompt_tokens_total: 0,
             cached_tokens_total: 0,
+            preemptions_total: 0,
             decoded: (0, 0),
             profile,
         };
@@ -175,14 +205,13 @@ impl Engine {
             hashes,
             prompt_tokens,
             cached_tokens: 0,
-            matched_blocks: 0,
+            admitted: false,
             published_blocks: 0,
-            prefilled: 0,
+            computed: 0,
             output_tokens: req.output_tokens.max(1),
             generated: 0,
             private_blocks: 0,
             uncached_at_arrival: prompt_tokens - reusable_tokens(matched, prompt_tokens, bs as u64),
-            tail: Vec::new(),
         });
     }
 
@@ -201,15 +230,40 @@ impl Engine {
     /// to do (or nothing can be admitted and nothing runs).
     pub fn begin_step(&mut self) -> Option<u64> {
         debug_assert!(self.plan.is_none(), "begin_step twice");
+        let plan = match self.profile.flavor {
+            Flavor::Vllm => self.plan_allocating(),
+            Flavor::Sglang => self.plan_reserving(),
+        };
+        if plan.work.is_empty() {
+            return None;
+        }
+        let (mut n, mut context, mut prefill) = (0u64, 0u64, 0u64);
+        for &(i, tokens) in &plan.work {
+            let r = &self.running[i];
+            if r.prefill_left() == 0 {
+                n += 1;
+                context += r.seq_len();
+            } else {
+                prefill += tokens;
+            }
+        }
+        let micros = self.profile.step_micros(n, context, prefill);
+        self.decoded = (self.decoded.0 + n, self.decoded.1 + context);
+        self.plan = Some(plan);
+        Some(micros)
+    }
+
+    /// SGLang flavour: decodes first, then prefill chunks, then admits queued requests in order
+    /// while the budget lasts and each one's uncached prompt and whole output fit in KV, reserved at
+    /// admission. (SGLang reserves an estimated share of the output and retracts when it runs out;
+    /// reserving it all errs towards smaller batches.)
+    fn plan_reserving(&mut self) -> Plan {
         let bs = self.profile.block_size as u64;
         let mut budget = self.profile.chunk_budget as u64;
         let mut plan = Plan::default();
-        let (mut n, mut context, mut prefill) = (0u64, 0u64, 0u64);
         for (i, r) in self.running.iter().enumerate() {
             if r.prefill_left() == 0 && budget > 0 {
-                plan.work.push((i, 0));
-                n += 1;
-                context += r.prompt_tokens + r.generated as u64;
+                plan.work.push((i, 1));
                 budget -= 1;
             }
         }
@@ -218,7 +272,6 @@ impl Engine {
             if left > 0 && budget > 0 {
                 let chunk = left.min(budget);
                 plan.work.push((i, chunk));
-                prefill += chunk;
                 budget -= chunk;
             }
         }
@@ -235,30 +288,102 @@ impl Engine {
             if !self.cache.can_allocate(need, pinned) {
                 break;
             }
-            let mut r = self.waiting.pop_front().expect("front exists");
-            for h in &r.hashes[..matched] {
-                self.cache.acquire(*h);
+            let computed = reusable_tokens(matched as u64 * bs, next.prompt_tokens, bs);
+            budget -= self.admit_front(matched, computed, need, budget, &mut plan);
+        }
+        plan
+    }
+
+    /// vLLM flavour (v1 scheduler): running requests in order, each given the blocks its tokens of
+    /// this step need; when none are left the newest running request is preempted (its blocks
+    /// freed, its computed tokens forgotten, back to the front of the queue) until the allocation
+    /// fits or the request itself was the one preempted. Queued requests are admitted only in a step
+    /// that preempted nothing, each with the blocks of its first chunk alone.
+    fn plan_allocating(&mut self) -> Plan {
+        let bs = self.profile.block_size as u64;
+        let mut budget = self.profile.chunk_budget as u64;
+        let mut plan = Plan::default();
+        let mut preempted = false;
+        let mut i = 0;
+        'running: while i < self.running.len() && budget > 0 {
+            let tokens = self.running[i].uncomputed().min(budget);
+            loop {
+                let r = &self.running[i];
+                let need = (r.computed + tokens).div_ceil(bs).saturating_sub(r.held_blocks());
+                if self.cache.can_allocate(need, 0) {
+                    self.cache.allocate_private(need, &mut self.pending_events);
+                    self.running[i].private_blocks += need;
+                    break;
+                }
+                let newest = self.running.pop().expect("request i is running");
+                let was_this_one = self.running.len() == i;
+                self.preempt(newest);
+                preempted = true;
+                if was_this_one {
+                    break 'running;
+                }
             }
-            let allocated = self.cache.allocate_private(need, &mut self.pending_events);
-            debug_assert!(allocated);
-            r.private_blocks = need;
-            r.matched_blocks = matched;
-            r.cached_tokens = reusable_tokens(matched as u64 * bs, r.prompt_tokens, bs);
+            plan.work.push((i, tokens));
+            budget -= tokens;
+            i += 1;
+        }
+        while !preempted && budget > 0 && (self.running.len() as u32) < self.profile.max_running {
+            let Some(next) = self.waiting.front() else {
+                break;
+            };
+            let matched = self.cache.match_prefix(&next.hashes);
+            let computed = reusable_tokens(matched as u64 * bs, next.seq_len(), bs);
+            let reused = (computed / bs) as usize;
+            let tokens = (next.seq_len() - computed).min(budget);
+            let need = (computed + tokens).div_ceil(bs) - reused as u64;
+            let pinned = self.cache.unreferenced_among(&next.hashes[..reused]);
+            if !self.cache.can_allocate(need, pinned) {
+                break;
+            }
+            budget -= self.admit_front(reused, computed, need, budget, &mut plan);
+        }
+        plan
+    }
+
+    /// Moves the queue's front request into the batch: it references its first `matched` cached
+    /// blocks, holds `need` new ones, has `computed` tokens already, and computes up to `budget` in
+    /// this step; returns how many. Its first admission sets what it reports as cached and counts it
+    /// in the totals.
+    fn admit_front(&mut self, matched: usize, computed: u64, need: u64, budget: u64, plan: &mut Plan) -> u64 {
+        let mut r = self.waiting.pop_front().expect("the caller looked at the front");
+        for h in &r.hashes[..matched] {
+            self.cache.acquire(*h);
+        }
+        let allocated = self.cache.allocate_private(need, &mut self.pending_events);
+        debug_assert!(allocated);
+        r.private_blocks = need;
+        r.published_blocks = matched;
+        r.computed = computed;
+        if !r.admitted {
+            r.admitted = true;
+            r.cached_tokens = computed;
             self.prompt_tokens_total += r.prompt_tokens;
             self.cached_tokens_total += r.cached_tokens;
-            let chunk = r.prefill_left().min(budget);
-            self.running.push(r);
-            plan.work.push((self.running.len() - 1, chunk));
-            prefill += chunk;
-            budget -= chunk;
         }
-        if plan.work.is_empty() {
-            return None;
-        }
-        let micros = self.profile.step_micros(n, context, prefill);
-        self.decoded = (self.decoded.0 + n, self.decoded.1 + context);
-        self.plan = Some(plan);
-        Some(micros)
+        let tokens = r.uncomputed().min(budget);
+        self.running.push(r);
+        plan.work.push((self.running.len() - 1, tokens));
+        tokens
+    }
+
+    /// Sends a running request back to the front of the queue: its blocks are freed (what it
+    /// published stays cached, so its recompute may find much of it) and its computed tokens are
+    /// forgotten; its sampled tokens are kept, so it resumes where it was without a new first token.
+    fn preempt(&mut self, mut r: Active) {
+        self.release(&r);
+        r.computed = 0;
+        r.published_blocks = 0;
+        r.private_blocks = 0;
+        let bs = u64::from(self.profile.block_size);
+        let matched = self.cache.match_prefix(&r.hashes) as u64 * bs;
+        r.uncached_at_arrival = r.seq_len() - reusable_tokens(matched, r.seq_len(), bs);
+        self.preemptions_total += 1;
+        self.waiting.push_front(r);
     }
 
     /// Applies the planned step.
@@ -267,50 +392,35 @@ impl Engine {
         let Some(plan) = self.plan.take() else {
             return out;
         };
-        for (i, chunk) in plan.work {
+        let vllm = self.profile.flavor == Flavor::Vllm;
+        for (i, tokens) in plan.work {
+            self.running[i].computed += tokens;
+            self.publish_computed(i);
             let r = &mut self.running[i];
-            if chunk == 0 {
-                r.generated += 1;
-                out.decoded.push(r.id);
-                if self.profile.flavor == Flavor::Vllm {
-                    self.cache_generated_block(i);
-                }
+            if r.computed < r.seq_len() {
                 continue;
             }
-            r.prefilled += chunk;
-            // Full blocks enter the prefix cache as soon as their tokens are computed, chunk by chunk,
-            // as vLLM and SGLang publish them.
-            let bs = self.profile.block_size as u64;
-            let computed_blocks = (((r.cached_tokens + r.prefilled) / bs) as usize).min(r.hashes.len());
-            let start = r.published_blocks.max(r.matched_blocks);
-            if computed_blocks > start {
-                let hashes = std::mem::take(&mut r.hashes);
-                r.private_blocks -= (computed_blocks - start) as u64;
-                r.published_blocks = computed_blocks;
-                let tokens = std::mem::take(&mut r.tokens);
-                self.publish(&hashes[..computed_blocks], &tokens, start);
-                let r = &mut self.running[i];
-                r.hashes = hashes;
-                r.tokens = tokens;
-            }
-            let r = &mut self.running[i];
-            if r.prefill_left() == 0 {
-                r.generated = 1;
-                let tokens = std::mem::take(&mut r.tokens);
-                if self.profile.flavor == Flavor::Vllm {
-                    r.tail = tokens[tokens.len() / bs as usize * bs as usize..].to_vec();
-                }
+            r.generated += 1;
+            if r.generated == 1 {
                 out.first_tokens.push(r.id);
+            } else {
+                out.decoded.push(r.id);
+            }
+            if vllm {
+                // Fed back in next step: vLLM caches the blocks decoding fills. The model's output
+                // tokens are pseudo-random ids of the request, so such a block only ever matches
+                // its own sequence.
+                let index = u64::from(r.generated - 1);
+                r.tokens.extend(kvgate_core::hashing::synthetic_tokens(r.id.0 ^ index.rotate_left(32), 1));
+            } else if r.generated == 1 {
+                r.tokens = Vec::new();
             }
         }
-        // Finished requests leave; the rest keep their FCFS order for the next step's prefill chunks.
+        // Finished requests leave; the rest keep their FCFS order for the next step.
         let mut kept = Vec::with_capacity(self.running.len());
         for r in std::mem::take(&mut self.running) {
             if r.prefill_left() == 0 && r.generated >= r.output_tokens {
-                for h in &r.hashes {
-                    self.cache.release(*h);
-                }
-                self.cache.free_private(r.private_blocks);
+                self.release(&r);
                 out.finished.push(Finished {
                     id: r.id,
                     prompt_tokens: r.prompt_tokens,
@@ -326,36 +436,34 @@ impl Engine {
         out
     }
 
-    /// Feeds running request `i`'s newest generated token back in (it has just decoded one): once
-    /// that fills a block, vLLM caches the block and publishes it, one block chained to the
-    /// sequence's last, as it does every decode-filled block. The model's output tokens are
-    /// pseudo-random ids of the request, so such a block only ever matches its own sequence.
-    fn cache_generated_block(&mut self, i: usize) {
+    /// Publishes running request `i`'s full blocks computed so far, as vLLM and SGLang publish them
+    /// chunk by chunk; in vLLM flavour also the blocks its decoding fills, each chained to the
+    /// sequence's last.
+    fn publish_computed(&mut self, i: usize) {
         let bs = self.profile.block_size as usize;
         let r = &mut self.running[i];
-        // The token sampled last step is computed this step: the `generated − 1`-th, from 1.
-        let fed = u64::from(r.generated).saturating_sub(2);
-        r.tail.extend(kvgate_core::hashing::synthetic_tokens(r.id.0 ^ fed.rotate_left(32), 1));
-        if r.tail.len() < bs {
+        let full = (r.computed / bs as u64) as usize;
+        if self.profile.flavor == Flavor::Vllm {
+            while r.hashes.len() < full {
+                let j = r.hashes.len();
+                let parent = r.hashes.last().map_or(self.salt, |h| h.0);
+                let key = self.hasher.block_key(BlockKey(parent), &r.tokens[j * bs..(j + 1) * bs]);
+                r.hashes.push(EngineHash(key.0));
+            }
+        }
+        let upto = full.min(r.hashes.len());
+        let start = r.published_blocks;
+        if upto <= start {
             return;
         }
-        let tokens = std::mem::take(&mut r.tail);
-        let parent = r.hashes.last().copied();
-        let hash = EngineHash(self.hasher.block_key(BlockKey(parent.map_or(self.salt, |h| h.0)), &tokens).0);
+        r.private_blocks -= (upto - start) as u64;
+        r.published_blocks = upto;
+        let hashes = std::mem::take(&mut r.hashes);
+        let tokens = std::mem::take(&mut r.tokens);
+        self.publish(&hashes[..upto], &tokens, start);
         let r = &mut self.running[i];
-        r.hashes.push(hash);
-        r.published_blocks = r.hashes.len();
-        r.private_blocks = r.private_blocks.saturating_sub(1);
-        if self.cache.publish(hash) {
-            self.pending_events.push(KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![hash],
-                parent_block_hash: parent,
-                token_ids: tokens,
-                block_size: bs as u32,
-                medium: Some("GPU".into()),
-                ..BlockStored::default()
-            }));
-        }
+        r.hashes = hashes;
+        r.tokens = tokens;
     }
 
     /// Publishes the prompt blocks from `start` on, as chained `BlockStored` runs.
@@ -501,7 +609,7 @@ impl Engine {
         }
         for r in std::mem::take(&mut self.running) {
             aborted.push(r.id);
-            self.release(r);
+            self.release(&r);
         }
         aborted
     }
@@ -517,12 +625,15 @@ impl Engine {
         // A planned step refers to running requests by position: plan again.
         self.plan = None;
         let r = self.running.remove(i);
-        self.release(r);
+        self.release(&r);
         true
     }
 
-    fn release(&mut self, r: Active) {
-        for h in &r.hashes[..r.published_blocks.max(r.matched_blocks).min(r.hashes.len())] {
+    /// Drops a request's hold on its blocks: cached ones become evictable, last block first (its
+    /// tail goes before its head, as vLLM frees a request's blocks in reverse and SGLang's radix tree
+    /// evicts leaves first), and private ones return to the pool.
+    fn release(&mut self, r: &Active) {
+        for h in r.hashes[..r.published_blocks.min(r.hashes.len())].iter().rev() {
             self.cache.release(*h);
         }
         self.cache.free_private(r.private_blocks);

@@ -87,17 +87,99 @@ fn a_shared_prefix_is_reused_and_published_once() {
 
 #[test]
 fn kv_capacity_limits_admission_and_eviction_emits_removals() {
-    // 40 blocks of 16 tokens; each request needs 20 prompt blocks + 1 decode block.
+    // 40 blocks of 16 tokens; each 330-token prompt needs 21 blocks (20 full and its tail).
+    for flavor in [Flavor::Vllm, Flavor::Sglang] {
+        let mut e = Engine::new(EngineProfile { flavor, ..small_profile(640) }, 1);
+        e.submit(req(1, synthetic_tokens(1, 330), 1));
+        e.submit(req(2, synthetic_tokens(2, 330), 1));
+        e.begin_step().unwrap();
+        assert_eq!(e.running_len(), 1, "{flavor:?}: the second request does not fit next to the first");
+        assert_eq!(e.waiting_len(), 1);
+        e.end_step();
+        let (_, outs) = run(&mut e);
+        let removed = events(&outs).iter().filter(|ev| matches!(ev, KvEvent::BlockRemoved(_))).count();
+        assert!(removed > 0, "{flavor:?}: the first request's cached blocks are evicted to make room");
+    }
+}
+
+#[test]
+fn vllm_admits_by_the_first_chunk_and_preempts_the_newest_when_decoding_runs_out() {
+    // 40 blocks. Two 300-token prompts (19 blocks each) fit side by side; decoding 100 tokens each
+    // would need 25 blocks apiece. vLLM admits both and, out of blocks, preempts the newest, which
+    // resumes once the first is done, recomputing from the blocks it left cached: its tokens are
+    // kept, so it neither starts over nor produces a second first token.
     let mut e = Engine::new(small_profile(640), 1);
-    e.submit(req(1, synthetic_tokens(1, 320), 1));
-    e.submit(req(2, synthetic_tokens(2, 320), 1));
+    e.submit(req(1, synthetic_tokens(1, 300), 100));
+    e.submit(req(2, synthetic_tokens(2, 300), 100));
     e.begin_step().unwrap();
-    assert_eq!(e.running_len(), 1, "the second request does not fit next to the first");
-    assert_eq!(e.waiting_len(), 1);
+    assert_eq!(e.running_len(), 2, "admission needs only the prompt's blocks");
     e.end_step();
-    let (_, outs) = run(&mut e);
-    let removed = events(&outs).iter().filter(|ev| matches!(ev, KvEvent::BlockRemoved(_))).count();
-    assert!(removed > 0, "the first request's cached blocks are evicted to make room");
+    let (mut firsts, mut decoded, mut finished) = (Vec::new(), Vec::new(), Vec::new());
+    let mut peak_waiting = 0;
+    while e.begin_step().is_some() {
+        peak_waiting = peak_waiting.max(e.waiting_len());
+        let out = e.end_step();
+        firsts.extend(out.first_tokens);
+        decoded.extend(out.decoded);
+        finished.extend(out.finished);
+    }
+    assert!(e.preemptions_total >= 1, "the newest was preempted");
+    assert_eq!(peak_waiting, 1);
+    assert!(firsts.is_empty(), "both first tokens came with the first step");
+    for id in [RequestId(1), RequestId(2)] {
+        assert_eq!(decoded.iter().filter(|d| **d == id).count(), 99, "{id:?} decodes each further token once");
+    }
+    let order: Vec<_> = finished.iter().map(|f| (f.id, f.output_tokens, f.cached_tokens)).collect();
+    assert_eq!(order, vec![(RequestId(1), 100, 0), (RequestId(2), 100, 0)], "the oldest runs through first");
+    assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0, "every block is back");
+
+    // SGLang flavour reserves the whole output at admission: the second waits instead.
+    let mut e = Engine::new(EngineProfile { flavor: Flavor::Sglang, ..small_profile(640) }, 1);
+    e.submit(req(1, synthetic_tokens(1, 300), 100));
+    e.submit(req(2, synthetic_tokens(2, 300), 100));
+    e.begin_step().unwrap();
+    assert_eq!(e.running_len(), 1);
+    e.end_step();
+    run(&mut e);
+    assert_eq!(e.preemptions_total, 0);
+}
+
+#[test]
+fn a_preempted_request_recomputes_only_what_was_evicted() {
+    // 28 blocks. Two 200-token prompts (13 blocks each) decode side by side until each holds 14
+    // and request 1 needs a 15th: request 2, the newest, is preempted and its blocks stay cached.
+    // Request 1 takes one of them, the tail (a request's blocks are freed last first), and runs to
+    // its end; request 2 then comes back recomputing that one block and the token it had sampled.
+    let mut e = Engine::new(small_profile(448), 1);
+    let prompt = synthetic_tokens(2, 200);
+    e.submit(req(1, synthetic_tokens(1, 200), 40));
+    e.submit(req(2, prompt.clone(), 40));
+    let (mut steps, mut resumed_step) = (0, None);
+    let mut removed = Vec::new();
+    while let Some(d) = e.begin_step() {
+        steps += 1;
+        if e.preemptions_total > 0 && resumed_step.is_none() && e.waiting_len() == 0 {
+            resumed_step = Some(d);
+        }
+        let out = e.end_step();
+        assert!(steps == 1 || out.first_tokens.is_empty(), "no second first token");
+        for f in out.finished {
+            assert_eq!((f.output_tokens, f.cached_tokens), (40, 0));
+        }
+        for ev in out.batch.map(|b| b.events).unwrap_or_default() {
+            if let KvEvent::BlockRemoved(r) = ev {
+                removed.extend(r.block_hashes);
+            }
+        }
+        if e.waiting_len() == 1 {
+            assert_eq!(e.cached_prefix_tokens(&prompt), 192, "request 2's prompt blocks stay cached while it waits");
+        }
+    }
+    assert_eq!(e.preemptions_total, 1);
+    assert!(!removed.is_empty());
+    // 225 tokens (its prompt and 25 sampled), 13 full blocks found cached: 17 to compute, 1.7 ms at
+    // 10 tokens per ms over the 10 ms base. From zero it would be 22.5 ms.
+    assert_eq!(resumed_step, Some(11_700), "only the evicted block and the sampled token are recomputed");
 }
 
 #[test]
@@ -259,4 +341,61 @@ fn reusable_prompt_tokens_is_what_admission_then_finds_cached() {
     let cached_whole = synthetic_tokens(3, 640);
     assert_eq!(e.cached_prefix_tokens(&cached_whole), 640);
     assert_eq!(e.reusable_prompt_tokens(&cached_whole), 624, "a fully cached prompt computes its last block");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// However tight the KV cache, every request is served whole: one first token, each further
+    /// token once, the cache's blocks all returned, and the router's view from the events equal to
+    /// the engine's cache (preemption and eviction included).
+    #[test]
+    fn tight_kv_serves_every_request_whole_and_the_events_track_the_cache(
+        vllm: bool,
+        // At least 34 blocks: the longest request (29 prompt blocks, 60 tokens out) fits alone.
+        capacity_blocks in 34u64..80,
+        requests in proptest::collection::vec((0u64..4, 1usize..300, 1u32..60), 1..24),
+    ) {
+        let flavor = if vllm { Flavor::Vllm } else { Flavor::Sglang };
+        let mut e = Engine::new(EngineProfile { flavor, ..small_profile(capacity_blocks * 16) }, 5);
+        let mut index = KvIndex::new(16);
+        index.add_worker(WorkerSlot(0), KvState::Synced);
+        let prefixes: Vec<Vec<u32>> = (0..4).map(|p| synthetic_tokens(50 + p, 160)).collect();
+        let mut firsts = std::collections::HashMap::new();
+        let mut decoded = std::collections::HashMap::new();
+        let mut finished = std::collections::HashMap::new();
+        let mut expected = std::collections::HashMap::new();
+        let mut pending = requests.into_iter().enumerate();
+        loop {
+            // Requests arrive between steps, a few at a time.
+            for (i, (prefix, suffix, out)) in pending.by_ref().take(2) {
+                let tokens = [prefixes[prefix as usize].clone(), synthetic_tokens(900 + i as u64, suffix)].concat();
+                expected.insert(RequestId(i as u64), out);
+                e.submit(req(i as u64, tokens, out));
+            }
+            let Some(_) = e.begin_step() else {
+                if e.has_work() && pending.len() == 0 {
+                    proptest::prop_assert!(false, "stuck with work left");
+                }
+                if pending.len() == 0 { break; }
+                continue;
+            };
+            let out = e.end_step();
+            for id in out.first_tokens { *firsts.entry(id).or_insert(0) += 1; }
+            for id in out.decoded { *decoded.entry(id).or_insert(0u32) += 1; }
+            for f in out.finished {
+                proptest::prop_assert!(finished.insert(f.id, f.output_tokens).is_none(), "finished twice");
+            }
+            for ev in out.batch.map(|b| b.events).unwrap_or_default() {
+                index.apply(WorkerSlot(0), &ev, Timestamp::ZERO);
+            }
+        }
+        for (id, out) in &expected {
+            proptest::prop_assert_eq!(firsts.get(id), Some(&1), "{:?}", id);
+            proptest::prop_assert_eq!(decoded.get(id).copied().unwrap_or(0), out - 1);
+            proptest::prop_assert_eq!(finished.get(id), Some(&u64::from(*out)));
+        }
+        proptest::prop_assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0);
+        proptest::prop_assert_eq!(index.blocks_held(WorkerSlot(0)), e.cached_blocks());
+    }
 }

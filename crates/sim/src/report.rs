@@ -232,6 +232,7 @@ impl Recorder {
                     planned_rates: None,
                     measured_rates: None,
                     true_decode_rate: None,
+                    preemptions: None,
                 })
                 .collect(),
             hot_prefix: HotPrefix {
@@ -410,6 +411,10 @@ pub struct WorkerReport {
     /// its decoding sequences had over the run: what decode calibration should find.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub true_decode_rate: Option<f64>,
+    /// Running requests the engine preempted (out of KV blocks: sent back to its queue and
+    /// recomputed later, as vLLM's `vllm:num_preemptions` counts them). Simulator only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preemptions: Option<u64>,
 }
 
 /// The tracked hot prefix.

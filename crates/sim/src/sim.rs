@@ -373,6 +373,7 @@ impl<'w> Simulation<'w> {
             r.planned_rates = rates.map(|r| r.planned);
             r.measured_rates = rates.map(|r| r.measured);
             let engine = &self.hosts[w].engine;
+            r.preemptions = Some(engine.preemptions_total);
             r.true_decode_rate = engine.mean_decode_context().map(|context| {
                 let profile = engine.profile();
                 profile.decode_tokens_per_s(u64::from(profile.max_running), context.round() as u64)

@@ -1,34 +1,37 @@
 #!/usr/bin/env bash
 # The simulator held against a paced real fleet on the incident's bursts. incident.sh sends the
 # bursts (a hot prefix one engine owns, then bursts of requests sharing it from closed-loop clients)
-# through kvgate `enforce`, kvgate `off` and SMG 1.13 `cache_aware` with its guards off (the policy
-# the simulator's `cache_aware` models: the simulator has no model of SMG 1.13's spill gate and
-# overload protection); then `kvgate sim --scenario incident-bursts` sends the same requests (the
+# through kvgate `enforce`, kvgate `off`, SMG 1.13 `cache_aware` as shipped and SMG with its guards
+# off; then `kvgate sim --scenario incident-bursts` sends the same requests (the
 # prefix's and the questions' token counts measured on the model's tokenizer, the same clients,
 # bursts and output) to engine models configured as that fleet (sim-profile.sh) under
-# `projected:enforce`, `projected:off` and `cache_aware`, with the bench's router settings. Prints
-# both side by side: TTFT p50/p90/p99, end-to-end p50, the engines' hit rate, each engine's share
-# and peak waiting queue (the owner first), with the simulator's error. Not part of CI; results go
-# in docs/simulator-results.md.
+# `projected:enforce`, `projected:off`, `smg_cache_aware` (SMG 1.13's guards on) and `cache_aware`
+# (off), with the bench's router settings. Prints
+# both side by side: TTFT p50/p90/p99, end-to-end p50, the engines' hit rate, each engine's share,
+# peak waiting queue and preemptions (the owner first), with the simulator's error. Not part of
+# CI; results go in docs/simulator-fidelity.md.
 #
-# Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS]
-#   as incident.sh (defaults 4, 1), with its environment (RUNTIME, PACE, PACE_SCALE, KV_TOKENS,
+# Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS] [CONFIGS]
+#   as incident.sh (defaults 4, 1; CONFIGS of kvgate-enforce, kvgate-off, smg-cache_aware and
+#   smg-cache_aware-unguarded, default all four), with its environment (RUNTIME, PACE, PACE_SCALE, KV_TOKENS,
 #   PREFIX_WORDS, QUESTION_WORDS, OUTPUT, CLIENTS, PER_BURST, BURSTS; HTTP engines only).
 #   SIM_ONLY=1 reuses the last real run's results.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 engines="${1:-4}"
 repeats="${2:-1}"
+configs="${3:-kvgate-enforce,kvgate-off,smg-cache_aware,smg-cache_aware-unguarded}"
 runtime="${RUNTIME:-vllm}"
 pace="${PACE:-llama3-8b-h100}"
-scale="${PACE_SCALE:-4}"
+# SGLang engines run at half the pace: at x 4 their steps overrun when four engines work at once.
+scale="${PACE_SCALE:-$([ "$runtime" = sglang ] && echo 8 || echo 4)}"
 kv_tokens="${KV_TOKENS:-8192}"
 output="${OUTPUT:-128}"
 [ "${TRANSPORT:-http}" = http ] || { echo "incident-fidelity.sh: HTTP engines only (TRANSPORT=http)" >&2; exit 2; }
 [ "$pace" != off ] || { echo "incident-fidelity.sh: the simulator models paced engines; PACE=off has nothing to compare" >&2; exit 2; }
 work=target/real-engines/incident-$runtime
 if [ -z "${SIM_ONLY:-}" ]; then
-  scripts/real-engines/incident.sh "$engines" "$repeats" kvgate-enforce,kvgate-off,smg-cache_aware-unguarded
+  scripts/real-engines/incident.sh "$engines" "$repeats" "$configs"
 fi
 [ -f "$work/results.jsonl" ] || { echo "incident-fidelity.sh: no incident results in $work" >&2; exit 1; }
 cargo build --release -p kvgate --quiet
@@ -60,7 +63,7 @@ PY
 target/release/kvgate sim --scenario incident-bursts --workers "$engines" --profile "$work/sim-profile.json" \
   --prefix-tokens "$prefix_tokens" --question-tokens "$question_tokens" --output-tokens "$output" \
   --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" \
-  --compare projected:enforce,projected:off,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
+  --compare projected:enforce,projected:off,smg_cache_aware,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
   --admission-wait-s 0 --format json > "$work/sim.json"
 
 python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "$scale" "$prefix_tokens" "$question_tokens" <<'PY'
@@ -69,18 +72,18 @@ sys.path.insert(0, "scripts/real-engines")
 from fidelity_common import error, latencies, mean, pairs, runs_count
 results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens = sys.argv[1:9]
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
-         ("smg-cache_aware-unguarded", "cache_aware")]
+         ("smg-cache_aware", "smg_cache_aware"), ("smg-cache_aware-unguarded", "cache_aware")]
 owner_first = lambda xs, owner: [xs[owner]] + [x for i, x in enumerate(xs) if i != owner]
 print(f"the incident's bursts on {engines} {runtime} engines paced as {pace} x {scale} (prefix {prefix_tokens} "
       f"tokens, questions {question_tokens}): real (mean of {runs_count(results)} runs) against kvgate sim; "
       f"error = sim / real - 1\n")
-print("| router | | TTFT p50 (ms) | p90 | p99 | e2e p50 (ms) | hit rate | shares, owner first | peak waiting, owner first |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| router | | TTFT p50 (ms) | p90 | p99 | e2e p50 (ms) | hit rate | shares, owner first | peak waiting, owner first | preemptions, owner first |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 fmt = lambda xs, f="{:.2f}": " ".join(f.format(x) for x in xs)
 n = int(engines)
 for real_name, sim_name, found in pairs(results, sim_path, names):
     if found is None:
-        print(f"| {real_name} | missing | | | | | | | |")
+        print(f"| {real_name} | missing | | | | | | | | |")
         continue
     rs, s = found
     rl, sl = latencies(rs, s)
@@ -91,8 +94,12 @@ for real_name, sim_name, found in pairs(results, sim_path, names):
     total = max(1, sum(w["requests"] for w in s["workers"]))
     sshare = owner_first([w["requests"] / total for w in s["workers"]], owner)
     speak = owner_first([w["max_waiting"] for w in s["workers"]], owner)
-    print(f"| {real_name} | real | {' | '.join(f'{x:.0f}' for x in rl)} | {rhit:.3f} | {fmt(rshare)} | {fmt(rpeak, '{:.0f}')} |")
-    print(f"| {sim_name} | sim | {' | '.join(f'{x:.0f}' for x in sl)} | {shit:.3f} | {fmt(sshare)} | {fmt(speak, '{:.0f}')} |")
+    # Preemptions: vLLM's counter (SGLang's retractions), the model's own.
+    rpre = (fmt([mean(owner_first(r["preemptions"], r["owner"])[i] for r in rs) for i in range(n)], "{:.0f}")
+            if all(r.get("preemptions") for r in rs) else "-")
+    spre = fmt(owner_first([w.get("preemptions", 0) for w in s["workers"]], owner), "{:.0f}")
+    print(f"| {real_name} | real | {' | '.join(f'{x:.0f}' for x in rl)} | {rhit:.3f} | {fmt(rshare)} | {fmt(rpeak, '{:.0f}')} | {rpre} |")
+    print(f"| {sim_name} | sim | {' | '.join(f'{x:.0f}' for x in sl)} | {shit:.3f} | {fmt(sshare)} | {fmt(speak, '{:.0f}')} | {spre} |")
     share_pts = max(abs(a - b) for a, b in zip(rshare, sshare)) * 100
-    print(f"| | error | {' | '.join(error(a, b) for a, b in zip(rl, sl))} | {shit - rhit:+.3f} | {share_pts:.0f} points at most | |")
+    print(f"| | error | {' | '.join(error(a, b) for a, b in zip(rl, sl))} | {shit - rhit:+.3f} | {share_pts:.0f} points at most | | |")
 PY

@@ -297,6 +297,16 @@ fn distribution_seeding_is_rejected_for_projected() {
 }
 
 #[test]
+fn smg_guards_are_cache_aware_only() {
+    let router = fleet(2, PolicyConfig::projected(Mode::Enforce));
+    let err = router.set_policy(PolicyConfig { smg_guards: true, ..router.policy() }).unwrap_err();
+    assert!(err.to_string().contains("smg_guards belongs to the cache_aware policy"), "{err}");
+    let guarded = PolicyConfig { smg_guards: true, ..PolicyConfig::new(PolicyName::CacheAware) };
+    router.set_policy(guarded).unwrap();
+    assert!(router.policy().smg_guards);
+}
+
+#[test]
 fn reservations_move_to_decode_at_first_token_and_vanish_on_release() {
     let router = fleet(1, PolicyConfig::projected(Mode::Enforce));
     let req = Req::new(&router, 1, &tokens("p", 1000), 100);

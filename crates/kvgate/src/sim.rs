@@ -38,8 +38,8 @@ pub struct SimArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Policy: round_robin, random, power_of_two (the gateway's), smg_least_load, smg_power_of_two,
-    /// cache_aware, cache_aware_seeded, sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or
-    /// projected:off|shadow|enforce).
+    /// cache_aware, cache_aware_seeded, smg_cache_aware (SMG 1.13 as shipped: cache_aware with its
+    /// guards), sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or projected:off|shadow|enforce).
     #[arg(long, default_value = "projected")]
     policy: String,
     /// Mode of the projected policy.

@@ -8,6 +8,15 @@
 //! 4. Balance gate: if the pick's load exceeds both `mean × balance_rel` and `mean + balance_abs`,
 //!    the request goes to `min_idx` instead.
 //!
+//! **SMG 1.13's guards** (`smg_guards`, on by default in SMG 1.13, as `smg launch --help` describes
+//! them; its source is not public at that version):
+//! - *Worker overload protection*: a worker with [`SMG_OVERLOAD_WAITING`] or more waiting requests,
+//!   or KV usage at or above [`SMG_OVERLOAD_KV_USAGE`], is left out while another worker is under
+//!   both; when every worker is over them the request goes to the least loaded.
+//! - *The spill gate's margin is capped* at the in-flight count's natural swing at the fleet's mean
+//!   load: `min(balance_abs, max(4, 2·√mean))`, two standard deviations of a Poisson count, so that a
+//!   small fleet can spill at all (with the default 64, four engines never would).
+//!
 //! **Cap-one distribution seeding** (optional) pins each prefix (keyed by the request's first block)
 //! to one owner, at most one replica per prefix, so that the fleet's KV cache holds as many distinct
 //! prefixes as possible. The first request of a prefix is placed by the rule above, except that the
@@ -25,7 +34,15 @@ use rustc_hash::FxHashMap;
 
 use crate::decision::Reason;
 use crate::ids::{BlockKey, WorkerSlot};
+use crate::policy::projected::WorkerLoad;
 use crate::policy::{Choice, Choosing, Policy, PolicyConfig, SeedBook};
+
+/// SMG 1.13's worker overload protection: waiting requests at or above which a worker is left out.
+pub const SMG_OVERLOAD_WAITING: u64 = 8;
+/// SMG 1.13's worker overload protection: KV usage at or above which a worker is left out.
+pub const SMG_OVERLOAD_KV_USAGE: f64 = 0.8;
+/// SMG 1.13's floor under the spill gate's capped margin, in requests.
+const SMG_SWING_FLOOR: f64 = 4.0;
 
 /// The `cache_aware` policy, with or without distribution seeding.
 pub(crate) struct CacheAware;
@@ -39,6 +56,7 @@ impl Policy for CacheAware {
                 in_flight: s.load.waiting_requests + s.load.running_requests,
                 routed: (c.routed)(s.slot),
                 overlap_blocks: if s.withheld.is_none() { s.raw_blocks } else { 0 },
+                overloaded: overloaded(&s.load),
             })
             .collect();
         let prefix = c.keys.first().copied().filter(|_| c.cfg.distribution_seeding);
@@ -62,6 +80,14 @@ impl Policy for CacheAware {
     }
 }
 
+/// Over SMG 1.13's overload thresholds, by the loads the router holds (reported plus its own
+/// reservations; SMG reads the polled reports alone).
+fn overloaded(load: &WorkerLoad) -> bool {
+    let kv_usage =
+        if load.kv_capacity_tokens > 0 { load.kv_tokens as f64 / load.kv_capacity_tokens as f64 } else { 0.0 };
+    load.waiting_requests >= SMG_OVERLOAD_WAITING || kv_usage >= SMG_OVERLOAD_KV_USAGE
+}
+
 /// One eligible worker as the cache-aware rule sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
@@ -71,6 +97,9 @@ pub struct Candidate {
     pub routed: u64,
     /// Leading request blocks it holds.
     pub overlap_blocks: u32,
+    /// Over SMG 1.13's overload thresholds (waiting requests or KV usage); only read with
+    /// `smg_guards`.
+    pub overloaded: bool,
 }
 
 /// The rule's outcome, as an index into the candidates.
@@ -105,19 +134,33 @@ pub fn pick(
     if let Some(owner) = seeded_owner.filter(|o| cfg.distribution_seeding && *o < candidates.len()) {
         return Some(Pick::Seeded(owner));
     }
-    let min_idx = (0..candidates.len()).min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))?;
-    let best_overlap = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
+    let least_loaded = |among: &mut dyn Iterator<Item = usize>| {
+        among.min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))
+    };
+    let all_least = least_loaded(&mut (0..candidates.len()))?;
+    let eligible: Vec<usize> =
+        (0..candidates.len()).filter(|&i| !(cfg.smg_guards && candidates[i].overloaded)).collect();
+    let Some(min_idx) = least_loaded(&mut eligible.iter().copied()) else {
+        // Every worker is overloaded: SMG 1.13 sends the request to the least loaded.
+        return Some(Pick::Balance(all_least));
+    };
+    let best_overlap = eligible.iter().map(|&i| candidates[i].overlap_blocks).max().unwrap_or(0);
     if request_blocks == 0 || best_overlap == 0 {
         return Some(Pick::Balance(min_idx));
     }
-    let holders: Vec<usize> = (0..candidates.len()).filter(|&i| candidates[i].overlap_blocks == best_overlap).collect();
+    let holders: Vec<usize> = eligible.into_iter().filter(|&i| candidates[i].overlap_blocks == best_overlap).collect();
     let least = holders.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
     let tied: Vec<usize> = holders.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
     let selected = tied[(draw % tied.len() as u64) as usize];
 
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
     let load = candidates[selected].in_flight as f64;
-    let gate = load > mean * cfg.balance_rel && load > mean + cfg.balance_abs as f64;
+    let margin = if cfg.smg_guards {
+        (cfg.balance_abs as f64).min((2.0 * mean.sqrt()).max(SMG_SWING_FLOOR))
+    } else {
+        cfg.balance_abs as f64
+    };
+    let gate = load > mean * cfg.balance_rel && load > mean + margin;
     Some(if gate && !cfg.distribution_seeding { Pick::Balance(min_idx) } else { Pick::Affinity(selected) })
 }
 
@@ -141,7 +184,10 @@ mod tests {
     use crate::policy::PolicyName;
 
     fn cands(loads: &[(u64, u32)]) -> Vec<Candidate> {
-        loads.iter().map(|&(in_flight, overlap_blocks)| Candidate { in_flight, routed: 0, overlap_blocks }).collect()
+        loads
+            .iter()
+            .map(|&(in_flight, overlap_blocks)| Candidate { in_flight, routed: 0, overlap_blocks, overloaded: false })
+            .collect()
     }
 
     #[test]
@@ -169,5 +215,37 @@ mod tests {
         let c = cands(&[(3, 0), (1, 0), (2, 0)]);
         assert_eq!(pick(&c, 4, &cfg, None, 7), Some(Pick::Balance(1)));
         assert_eq!(pick(&[], 4, &cfg, None, 7), None);
+    }
+
+    #[test]
+    fn smg_guards_cap_the_spill_margin_at_the_fleets_natural_swing() {
+        // Four workers, 16 in flight, 10 of them on the holder: the mean is 4, the capped margin
+        // max(4, 2·√4) = 4, so the holder spills (10 > 4 + 4 and > 1.5 × 4); without the guards
+        // the margin is balance_abs (64) and it never would.
+        let c = cands(&[(10, 4), (2, 0), (2, 0), (2, 0)]);
+        let plain = PolicyConfig::new(PolicyName::CacheAware);
+        assert_eq!(pick(&c, 4, &plain, None, 0), Some(Pick::Affinity(0)));
+        let guarded = PolicyConfig { smg_guards: true, ..plain.clone() };
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Balance(1)));
+        // Within the swing it stays: 7 is not over 3.25 + 4 (mean 3.25, margin max(4, 3.6)).
+        let c = cands(&[(7, 4), (2, 0), (2, 0), (2, 0)]);
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Affinity(0)));
+        // A balance_abs under the floor is the margin.
+        let tight = PolicyConfig { balance_abs: 2, ..guarded.clone() };
+        assert_eq!(pick(&c, 4, &tight, None, 0), Some(Pick::Balance(1)));
+    }
+
+    #[test]
+    fn smg_guards_leave_an_overloaded_worker_out_until_every_one_is() {
+        let guarded = PolicyConfig { smg_guards: true, ..PolicyConfig::new(PolicyName::CacheAware) };
+        let mut c = cands(&[(3, 4), (5, 2), (1, 0)]);
+        c[0].overloaded = true;
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Affinity(1)), "the next-longest holder");
+        let plain = PolicyConfig::new(PolicyName::CacheAware);
+        assert_eq!(pick(&c, 4, &plain, None, 0), Some(Pick::Affinity(0)), "without the guards it is ignored");
+        c[1].overloaded = true;
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Balance(2)), "no holder left: the least loaded");
+        c[2].overloaded = true;
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Balance(2)), "all over: the least loaded of all");
     }
 }

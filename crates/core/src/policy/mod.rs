@@ -184,6 +184,12 @@ pub struct PolicyConfig {
     pub balance_rel: f64,
     /// cache_aware only: cap-one distribution seeding (see [`cache_aware`]).
     pub distribution_seeding: bool,
+    /// cache_aware only: SMG 1.13's guards against a hot owner, on by default there (see
+    /// [`cache_aware`]): the spill gate's absolute margin capped at the in-flight count's natural
+    /// swing, and worker overload protection. Off, the rule is SMG's before 1.13 (or 1.13 with
+    /// `--disable-worker-overload-protection` and a margin it never caps).
+    #[serde(default)]
+    pub smg_guards: bool,
     /// Plan with each worker's prefill rate measured from the cadence of its KV event batches
     /// ([`crate::step_cadence`]) and its decode rate measured from inter-token times (both are
     /// measured and shown either way). Off by default: on the simulator's Llama-3-8B profile an
@@ -211,6 +217,7 @@ impl PolicyConfig {
             balance_abs: BALANCE_ABS.default as u64,
             balance_rel: BALANCE_REL.default,
             distribution_seeding: false,
+            smg_guards: false,
             calibrate: false,
         }
     }
@@ -238,6 +245,12 @@ impl PolicyConfig {
             return Err(CoreError::InvalidPolicy(format!(
                 "distribution_seeding belongs to the cache_aware policy and cannot be combined with {}: \
                  the projected policy never seeds, hot prefixes gain owners through ordinary misses",
+                self.name
+            )));
+        }
+        if self.smg_guards && self.name != PolicyName::CacheAware {
+            return Err(CoreError::InvalidPolicy(format!(
+                "smg_guards belongs to the cache_aware policy (SMG 1.13's guards on it) and cannot be combined with {}",
                 self.name
             )));
         }
@@ -297,6 +310,8 @@ pub struct PolicyPatch {
     pub balance_rel: Option<f64>,
     /// cache_aware only: cap-one distribution seeding.
     pub distribution_seeding: Option<bool>,
+    /// cache_aware only: SMG 1.13's guards against a hot owner.
+    pub smg_guards: Option<bool>,
     /// Calibrate the rates from observations (default off).
     pub calibrate: Option<bool>,
 }
@@ -325,6 +340,7 @@ impl PolicyPatch {
         cfg.balance_abs = self.balance_abs.unwrap_or(cfg.balance_abs);
         cfg.balance_rel = self.balance_rel.unwrap_or(cfg.balance_rel);
         cfg.distribution_seeding = self.distribution_seeding.unwrap_or(cfg.distribution_seeding);
+        cfg.smg_guards = self.smg_guards.unwrap_or(cfg.smg_guards);
         cfg.calibrate = self.calibrate.unwrap_or(cfg.calibrate);
         cfg.validate()?;
         Ok(cfg)

@@ -633,6 +633,11 @@ mod tests {
         assert!(err("[[workers]]\nurl = \"http://a:1\"\nkv_events = \"a:5557\"").contains("tcp://host:port"));
         assert!(err("[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"").contains("distinct ids"));
         assert!(err("[policy]\nname = \"projected\"\ndistribution_seeding = true").contains("distribution_seeding"));
+        assert!(
+            err("[policy]\nname = \"projected\"\nsmg_guards = true").contains("smg_guards belongs to the cache_aware")
+        );
+        let guarded = GatewayConfig::from_toml("[policy]\nname = \"cache_aware\"\nsmg_guards = true").unwrap();
+        assert!(guarded.policy.smg_guards, "SMG 1.13's guards, configured");
     }
 
     #[test]

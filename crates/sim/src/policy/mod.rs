@@ -6,6 +6,7 @@
 //! | `projected` (`:off`, `:shadow`, `:enforce`) | kvgate's core, projected policy | `core_backed.rs` |
 //! | `oracle` | `projected:enforce` handed every engine's true load at each decision | `core_backed.rs` |
 //! | `cache_aware`, `cache_aware_seeded` | SMG cache_aware, event-driven, via the core | `core_backed.rs` |
+//! | `smg_cache_aware` | SMG 1.13's cache_aware as shipped: `cache_aware` with its guards (capped spill margin, worker overload protection) | `core_backed.rs` |
 //! | `round_robin`, `random`, `power_of_two` | kvgate's core baselines, as the gateway runs them (SMG §9; §2 scored with kvgate's load-only seconds) | `core_backed.rs` |
 //! | `smg_least_load`, `smg_power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, and §1 on a random pair §2 | `simple.rs` |
 //! | `sglang_v04`, `aibrix`, `lmetric` | approximate prefix trees §4, §7, §8 | `approx.rs` |
@@ -186,6 +187,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "smg_power_of_two",
     "cache_aware",
     "cache_aware_seeded",
+    "smg_cache_aware",
     "sglang_v04",
     "dynamo",
     "llm_d",
@@ -250,9 +252,10 @@ pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Resu
             let cfg = PolicyConfig { mode: Mode::Enforce, ..knobs.clone() };
             Box::new(core_backed::CorePolicy::new(fleet, cfg)?.reading_true_state())
         }
-        "cache_aware" | "cache_aware_seeded" => {
+        "cache_aware" | "cache_aware_seeded" | "smg_cache_aware" => {
             let cfg = PolicyConfig {
                 distribution_seeding: spec.name == "cache_aware_seeded",
+                smg_guards: spec.name == "smg_cache_aware",
                 ..PolicyConfig::new(kvgate_core::PolicyName::CacheAware)
             };
             Box::new(core_backed::CorePolicy::new(fleet, cfg)?)

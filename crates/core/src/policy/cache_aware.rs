@@ -134,13 +134,13 @@ pub fn pick(
     if let Some(owner) = seeded_owner.filter(|o| cfg.distribution_seeding && *o < candidates.len()) {
         return Some(Pick::Seeded(owner));
     }
-    let least_loaded = |among: &mut dyn Iterator<Item = usize>| {
-        among.min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i))
-    };
-    let all_least = least_loaded(&mut (0..candidates.len()))?;
+    let least_loaded =
+        |among: &[usize]| among.iter().copied().min_by_key(|&i| (candidates[i].in_flight, candidates[i].routed, i));
+    let all: Vec<usize> = (0..candidates.len()).collect();
+    let all_least = least_loaded(&all)?;
     let eligible: Vec<usize> =
         (0..candidates.len()).filter(|&i| !(cfg.smg_guards && candidates[i].overloaded)).collect();
-    let Some(min_idx) = least_loaded(&mut eligible.iter().copied()) else {
+    let Some(min_idx) = least_loaded(&eligible) else {
         // Every worker is overloaded: SMG 1.13 sends the request to the least loaded.
         return Some(Pick::Balance(all_least));
     };

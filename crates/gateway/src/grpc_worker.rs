@@ -109,6 +109,12 @@ pub struct Sampling {
     /// Log probabilities of each output token, with this many of the most likely alternatives
     /// (`None`: none asked).
     pub logprobs: Option<u32>,
+    /// Log probabilities of the prompt's tokens from this position on, with as many alternatives
+    /// as `logprobs` asks (`None`: none asked).
+    pub prompt_logprobs_from: Option<u32>,
+    /// The response shows each token beside the best `logprobs` alternatives, one more when it
+    /// is not among them (completions): a vLLM worker is asked for one alternative more.
+    pub logprobs_beside_best: bool,
 }
 
 /// A structured-output constraint the worker's grammar engine enforces while sampling.
@@ -163,6 +169,18 @@ pub struct TokenLogprobs {
     pub top: Vec<Vec<(u32, f32)>>,
 }
 
+/// Log probabilities of a run of prompt tokens, as a worker sends them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptLogprobs {
+    /// The prompt's tokens.
+    pub token_ids: Vec<u32>,
+    /// Each token's log probability; `None` for the prompt's first token, which nothing predicts.
+    pub values: Vec<Option<f32>>,
+    /// Each position's most likely tokens with their log probabilities (empty rows when no
+    /// alternatives were asked).
+    pub top: Vec<Vec<(u32, f32)>>,
+}
+
 /// One message of a worker's answer, in the runtimes' common terms.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
@@ -178,6 +196,8 @@ pub enum Piece {
         cached_tokens: u32,
         /// The new tokens' log probabilities, when asked.
         logprobs: Option<TokenLogprobs>,
+        /// The prompt's log probabilities, when asked (in a sequence's first chunk).
+        prompt_logprobs: Option<PromptLogprobs>,
     },
     /// Sequence `index` ended.
     Complete {
@@ -198,6 +218,8 @@ pub enum Piece {
         matched_stop: Option<MatchedStop>,
         /// Log probabilities of `output_ids`, when asked.
         logprobs: Option<TokenLogprobs>,
+        /// The prompt's log probabilities, when asked and no chunk brought them.
+        prompt_logprobs: Option<PromptLogprobs>,
     },
 }
 
@@ -681,7 +703,15 @@ fn to_vllm(g: Generation) -> vllm::GenerateRequest {
             seed: s.seed,
             include_stop_str_in_output: s.include_stop_str_in_output,
             logit_bias: s.logit_bias.iter().filter_map(|&(t, b)| Some((i32::try_from(t).ok()?, b))).collect(),
-            logprobs: s.logprobs.map(|k| i32::try_from(k).unwrap_or(i32::MAX)),
+            // vLLM lists the sampled (or prompt) token first and then the ranked ones; the servicer
+            // sends the first `k`, which leaves out the last one a completion shows when that
+            // token is not among the best `k`: such a response asks one more (and
+            // `SequenceLogprobs` shows what vLLM's server shows of them). Others ask `k`, since
+            // `k + 1` may break a tie at the cut the other way from vLLM's own server.
+            logprobs: s.logprobs.map(|k| vllm_alternatives(k, s.logprobs_beside_best)),
+            prompt_logprobs: s
+                .prompt_logprobs_from
+                .map(|_| vllm_alternatives(s.logprobs.unwrap_or(0), s.logprobs_beside_best)),
             constraint: s.constraint.map(|c| {
                 use vllm::sampling_params::Constraint as C;
                 match c {
@@ -692,7 +722,6 @@ fn to_vllm(g: Generation) -> vllm::GenerateRequest {
                     Constraint::Choice(choices) => C::Choice(vllm::ChoiceConstraint { choices }),
                 }
             }),
-            ..Default::default()
         }),
         stream: g.stream,
         data_parallel_rank: None,
@@ -741,10 +770,10 @@ fn to_sglang(g: Generation) -> sglang::GenerateRequest {
             ..Default::default()
         }),
         stream,
-        return_logprob: s.logprobs.is_some(),
+        return_logprob: s.logprobs.is_some() || s.prompt_logprobs_from.is_some(),
         top_logprobs_num: s.logprobs.map_or(0, |k| i32::try_from(k).unwrap_or(i32::MAX)),
-        // The prompt's own log probabilities are not asked for (0 would ask from its start).
-        logprob_start_len: -1,
+        // -1 asks for none of the prompt's own log probabilities.
+        logprob_start_len: s.prompt_logprobs_from.map_or(-1, |from| i32::try_from(from).unwrap_or(i32::MAX)),
         ..Default::default()
     }
 }
@@ -760,6 +789,27 @@ macro_rules! logprobs_from {
     };
 }
 
+/// A worker's `InputLogProbs` in common terms; `None` when it carries no token.
+macro_rules! prompt_logprobs_from {
+    ($lp:expr) => {
+        $lp.filter(|l| !l.token_ids.is_empty()).map(|l| PromptLogprobs {
+            token_ids: l.token_ids,
+            values: l.token_logprobs.into_iter().map(|v| v.value).collect(),
+            top: l.top_logprobs.into_iter().map(|t| t.token_ids.into_iter().zip(t.values).collect()).collect(),
+        })
+    };
+}
+
+/// Alternatives to ask a vLLM worker for when the client asks `k`: one more for a response that
+/// shows the token beside the best ones (see `to_vllm`), within vLLM's default `max_logprobs`.
+fn vllm_alternatives(k: u32, beside_best: bool) -> i32 {
+    let asked = if beside_best { k.saturating_add(1).min(VLLM_MAX_LOGPROBS) } else { k };
+    i32::try_from(asked).unwrap_or(i32::MAX)
+}
+
+/// vLLM's default `max_logprobs`: a worker refuses a request asking more.
+const VLLM_MAX_LOGPROBS: u32 = 20;
+
 /// One Generate message as a [`Piece`]. The two runtimes' messages have the same fields under
 /// different generated types, so one macro body serves both instead of two copies.
 macro_rules! piece_from {
@@ -772,6 +822,7 @@ macro_rules! piece_from {
                 prompt_tokens: c.prompt_tokens,
                 cached_tokens: c.cached_tokens,
                 logprobs: logprobs_from!(c.output_logprobs),
+                prompt_logprobs: prompt_logprobs_from!(c.input_logprobs),
             }),
             Some($proto::generate_response::Response::Complete(c)) => Ok(Piece::Complete {
                 index: c.index,
@@ -785,6 +836,7 @@ macro_rules! piece_from {
                     M::MatchedStopStr(s) => MatchedStop::Text(s),
                 }),
                 logprobs: logprobs_from!(c.output_logprobs),
+                prompt_logprobs: prompt_logprobs_from!(c.input_logprobs),
             }),
             None => Err(Status::internal("a Generate message without a chunk or a completion")),
         }

@@ -383,6 +383,7 @@ fn sglang_message(out: Out, request_id: &str) -> pb::GenerateResponse {
             completion_tokens: 1,
             cached_tokens: 0,
             output_logprobs: None,
+            input_logprobs: None,
             index,
         }),
         Out::Complete { index, output_ids, prompt_tokens, completion_tokens, cached_tokens } => {
@@ -394,6 +395,7 @@ fn sglang_message(out: Out, request_id: &str) -> pb::GenerateResponse {
                 completion_tokens,
                 cached_tokens,
                 output_logprobs: None,
+                input_logprobs: None,
                 matched_stop: None::<generate_complete::MatchedStop>,
                 index,
             })
@@ -412,6 +414,7 @@ fn vllm_message(out: Out, _request_id: &str) -> vllm::GenerateResponse {
             completion_tokens: 1,
             cached_tokens: 0,
             output_logprobs: None,
+            input_logprobs: None,
             index,
         }),
         Out::Complete { index, output_ids, prompt_tokens, completion_tokens, cached_tokens } => {
@@ -422,6 +425,7 @@ fn vllm_message(out: Out, _request_id: &str) -> vllm::GenerateResponse {
                 completion_tokens,
                 cached_tokens,
                 output_logprobs: None,
+                input_logprobs: None,
                 index,
                 matched_stop: None,
             })

@@ -108,6 +108,12 @@ impl TokenNames {
         self.tokenizer.decode(ids, false).map_err(|e| TokenizeError::Decode(e.to_string()))
     }
 
+    /// Token `id` decoded on its own, special tokens kept: what vLLM's server shows for a token
+    /// that has no log probability (a prompt's first).
+    pub fn decoded(&self, id: u32) -> Result<String, TokenizeError> {
+        self.decode(&[id])
+    }
+
     /// The name of token `id` sampled after `context` (the sequence's earlier sampled tokens,
     /// most recent last; only vLLM reads it).
     pub fn name(&self, id: u32, context: &[u32]) -> Result<String, TokenizeError> {

@@ -9,8 +9,10 @@
 //! events each carry one sequence's `index`. Log probabilities (`return_logprob`) come in
 //! `meta_info` as SGLang's server shows them: `[logprob, token id, text or null]` for each output
 //! token, the alternatives with `top_logprobs_num`, each event of a stream carrying all of them so
-//! far. The prompt's own log probabilities (`logprob_start_len` from 0, `token_ids_logprob`) are
-//! refused with a 400 that names them: the worker is not asked for them yet.
+//! far. The prompt's own (`logprob_start_len` from 0) come under `input_token_logprobs` and
+//! `input_top_logprobs` from that position on, the prompt's first token with a `null` log
+//! probability. `token_ids_logprob` is refused with a 400 that names it: the worker is not asked
+//! for chosen tokens' log probabilities yet.
 //!
 //! One prompt per request: a batch (a list of texts or of id lists) is refused with a 400 that names
 //! it, as SMG 1.13 refuses it over gRPC: each prompt is its own routing decision, so a client sends
@@ -170,6 +172,9 @@ pub struct LogprobAsk {
     pub top: u32,
     /// Whether each entry carries its token's text (`return_text_in_logprobs`).
     pub with_text: bool,
+    /// The prompt position from which the prompt's own log probabilities are shown
+    /// (`logprob_start_len`; `None`, SGLang's -1: none).
+    pub prompt_from: Option<u32>,
 }
 
 impl LogprobAsk {
@@ -198,20 +203,19 @@ impl LogprobAsk {
                 })?,
         };
         // SGLang's default (-1) asks for no prompt logprobs when output ones are asked.
-        match body.get("logprob_start_len") {
-            None | Some(Value::Null) => {}
-            Some(v) if v.as_i64() == Some(-1) => {}
-            Some(v) if v.is_i64() => {
-                return Err(unsupported("logprob_start_len", "other than -1 (the prompt's log probabilities)"))
-            }
-            Some(_) => return Err(ApiError::invalid("logprob_start_len", "`logprob_start_len` must be an integer")),
-        }
+        let prompt_from = match body.get("logprob_start_len") {
+            None | Some(Value::Null) => None,
+            Some(v) if v.as_i64() == Some(-1) => None,
+            Some(v) => Some(v.as_u64().and_then(|k| u32::try_from(k).ok()).ok_or_else(|| {
+                ApiError::invalid("logprob_start_len", "`logprob_start_len` must be -1 or a prompt position from 0")
+            })?),
+        };
         match body.get("token_ids_logprob") {
             None | Some(Value::Null) => {}
             Some(Value::Array(ids)) if ids.is_empty() => {}
             Some(_) => return Err(unsupported("token_ids_logprob", "")),
         }
-        Ok(Some(LogprobAsk { top, with_text }))
+        Ok(Some(LogprobAsk { top, with_text, prompt_from }))
     }
 }
 
@@ -224,6 +228,10 @@ struct Sequence {
     token_logprobs: Vec<Value>,
     /// Each output token's alternatives so far, as such lists (null where none came).
     top_logprobs: Vec<Value>,
+    /// `[logprob, token id, text or null]` of each prompt token shown (from `logprob_start_len`).
+    input_token_logprobs: Vec<Value>,
+    /// Each such prompt token's alternatives.
+    input_top_logprobs: Vec<Value>,
     /// Whether log probabilities came since the last event.
     fresh: bool,
 }
@@ -262,6 +270,13 @@ impl GenerateShape {
         if let Some(Value::Array(top)) = taken.remove("top") {
             seq.top_logprobs.extend(top);
         }
+        if let Some(Value::Array(tokens)) = taken.remove("input_tokens") {
+            seq.fresh |= !tokens.is_empty();
+            seq.input_token_logprobs.extend(tokens);
+        }
+        if let Some(Value::Array(top)) = taken.remove("input_top") {
+            seq.input_top_logprobs.extend(top);
+        }
     }
 
     fn meta_info(&self, index: usize, finish: Option<&Finish>, usage: Usage) -> Value {
@@ -275,11 +290,11 @@ impl GenerateShape {
             "cached_tokens": usage.cached_tokens,
         });
         if let (Some(ask), Some(seq)) = (self.logprobs, self.sequences.get(index)) {
-            meta["input_token_logprobs"] = json!([]);
+            meta["input_token_logprobs"] = Value::Array(seq.input_token_logprobs.clone());
             meta["output_token_logprobs"] = Value::Array(seq.token_logprobs.clone());
             meta["output_token_logprobs_length"] = Value::from(seq.token_logprobs.len());
             if ask.top > 0 {
-                meta["input_top_logprobs"] = json!([]);
+                meta["input_top_logprobs"] = Value::Array(seq.input_top_logprobs.clone());
                 meta["output_top_logprobs"] = Value::Array(seq.top_logprobs.clone());
             }
         }
@@ -381,7 +396,7 @@ mod tests {
     #[test]
     fn several_sequences_are_a_list_or_indexed_events_each_with_its_own_logprobs() {
         let usage = Usage { prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 };
-        let ask = LogprobAsk { top: 1, with_text: false };
+        let ask = LogprobAsk { top: 1, with_text: false, prompt_from: None };
         let mut shape = GenerateShape::new("r".into(), Some(1), 2, Some(ask));
         let cut = Finish { reason: "length".into(), stop_reason: Value::Null };
         shape.push_logprobs(1, json!({"tokens": [[-0.5, 7, null]], "top": [[[-0.5, 7, null]]]}));
@@ -404,16 +419,21 @@ mod tests {
     }
 
     #[test]
-    fn logprob_settings_are_read_as_sglang_reads_them_and_prompt_logprobs_refused() {
+    fn logprob_settings_are_read_as_sglang_reads_them() {
         let ask = |body: Value| LogprobAsk::from_request(&body);
         assert_eq!(ask(json!({"text": "a", "top_logprobs_num": 3})).unwrap(), None, "ignored without return_logprob");
         assert_eq!(
             ask(json!({"return_logprob": true, "top_logprobs_num": 3, "return_text_in_logprobs": true})).unwrap(),
-            Some(LogprobAsk { top: 3, with_text: true })
+            Some(LogprobAsk { top: 3, with_text: true, prompt_from: None })
         );
         assert_eq!(ask(json!({"return_logprob": true, "logprob_start_len": -1})).unwrap().map(|a| a.top), Some(0));
         let err = |body: Value| ask(body).unwrap_err().to_string();
-        assert!(err(json!({"return_logprob": true, "logprob_start_len": 0})).contains("`logprob_start_len`"));
+        let from = |body: Value| ask(body).unwrap().and_then(|a| a.prompt_from);
+        assert_eq!(from(json!({"return_logprob": true, "logprob_start_len": 0})), Some(0));
+        assert_eq!(from(json!({"return_logprob": true, "logprob_start_len": 3})), Some(3));
+        assert_eq!(from(json!({"logprob_start_len": 3})), None, "ignored without return_logprob, as SGLang");
+        assert!(err(json!({"return_logprob": true, "logprob_start_len": -2})).contains("`logprob_start_len`"));
+        assert!(err(json!({"return_logprob": true, "logprob_start_len": "0"})).contains("`logprob_start_len`"));
         assert!(err(json!({"return_logprob": true, "token_ids_logprob": [1]})).contains("`token_ids_logprob`"));
         assert!(err(json!({"return_logprob": true, "top_logprobs_num": 99})).contains("`top_logprobs_num`"));
         assert!(err(json!({"return_logprob": "yes"})).contains("`return_logprob` must be a boolean"));
@@ -421,7 +441,11 @@ mod tests {
         let c = as_completions(&body, ask(body.clone()).unwrap()).unwrap();
         assert_eq!((c["logprobs"].clone(), c["n"].clone()), (json!(2), json!(3)));
         let plan = super::super::openai::Plan::from_request(Endpoint::Generate, &body, "m").unwrap();
-        assert_eq!(plan.generate_logprobs, Some(LogprobAsk { top: 2, with_text: false }), "the plan carries them");
+        assert_eq!(
+            plan.generate_logprobs,
+            Some(LogprobAsk { top: 2, with_text: false, prompt_from: None }),
+            "the plan carries them"
+        );
         assert_eq!(plan.top_logprobs(), Some(2));
     }
 }

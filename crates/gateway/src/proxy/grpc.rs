@@ -32,7 +32,7 @@ use super::responses::ResponsesShape;
 use super::{Backend, Outgoing, SendFailure};
 use crate::engines;
 use crate::error::ApiError;
-use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream, TokenLogprobs};
+use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream, PromptLogprobs, TokenLogprobs};
 use crate::registry::EngineHandle;
 use crate::state::AppState;
 
@@ -234,6 +234,17 @@ impl Generating {
         }
     }
 
+    /// Gives the prompt's log probabilities, when a piece brings them, to every sequence that
+    /// shows them and has none yet (each of `n` sequences echoes the prompt with its entries).
+    fn push_prompt_logprobs(&mut self, lp: Option<&PromptLogprobs>) -> Result<(), ApiError> {
+        let Some(lp) = lp else { return Ok(()) };
+        let prompt_len = usize::try_from(self.prompt_tokens).unwrap_or(usize::MAX);
+        for seq in self.choices.iter_mut().filter_map(|c| c.logprobs.as_mut()) {
+            seq.push_prompt(lp, prompt_len)?;
+        }
+        Ok(())
+    }
+
     fn all_finished(&self) -> bool {
         self.choices.iter().all(|c| c.finish.is_some())
     }
@@ -394,7 +405,10 @@ impl Backend for GrpcBackend {
                 return Err(SendFailure::Final(ApiError::Internal));
             };
             let logprobs = plan.top_logprobs().map(|top| {
-                let seq = SequenceLogprobs::new(detokenizer.token_names(style), plan.endpoint, top);
+                let mut seq = SequenceLogprobs::new(detokenizer.token_names(style), plan.endpoint, top);
+                if let Some(from) = plan.sampling.prompt_logprobs_from {
+                    seq = seq.with_prompt_from(from);
+                }
                 if generate_logprobs.is_some_and(|ask| !ask.with_text) {
                     seq.without_text()
                 } else {
@@ -563,8 +577,9 @@ async fn collect_answer(mut answer: Generating, flight: &mut Flight) -> Result<V
     let flush = answer.flush_incomplete;
     while let Some(piece) = answer.pieces.next().await {
         match piece {
-            Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, .. }) => {
+            Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, prompt_logprobs, .. }) => {
                 usage.cached_tokens = u64::from(cached_tokens);
+                answer.push_prompt_logprobs(prompt_logprobs.as_ref()).map_err(blame)?;
                 answer.choice(index).map_err(blamed)?.push_chunk(&token_ids, logprobs.as_ref()).map_err(blame)?;
             }
             Ok(Piece::Complete {
@@ -575,8 +590,10 @@ async fn collect_answer(mut answer: Generating, flight: &mut Flight) -> Result<V
                 cached_tokens,
                 matched_stop,
                 logprobs,
+                prompt_logprobs,
                 ..
             }) => {
+                answer.push_prompt_logprobs(prompt_logprobs.as_ref()).map_err(blame)?;
                 let index = answer.whole_sequence_slot(index);
                 let choice = answer.choice(index).map_err(blamed)?;
                 let end = End {
@@ -675,10 +692,13 @@ impl Streamer {
                 }
             }
             let index = match piece {
-                Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, .. })) => {
+                Some(Ok(Piece::Chunk { index, token_ids, cached_tokens, logprobs, prompt_logprobs, .. })) => {
                     self.usage.cached_tokens = u64::from(cached_tokens);
                     if let Some(f) = self.flight.as_mut() {
                         f.first_byte(true);
+                    }
+                    if let Err(err) = self.answer.push_prompt_logprobs(prompt_logprobs.as_ref()) {
+                        return Some(self.fail(out, err, true));
                     }
                     let pushed = match self.answer.choice(index) {
                         Ok(choice) if choice.finish.is_some() => continue, // cut at a stop string already
@@ -698,8 +718,12 @@ impl Streamer {
                     matched_stop,
                     output_ids,
                     logprobs,
+                    prompt_logprobs,
                     ..
                 })) => {
+                    if let Err(err) = self.answer.push_prompt_logprobs(prompt_logprobs.as_ref()) {
+                        return Some(self.fail(out, err, true));
+                    }
                     self.usage.prompt_tokens = u64::from(prompt_tokens).max(self.usage.prompt_tokens);
                     self.usage.cached_tokens = u64::from(cached_tokens);
                     let pushed = match self.answer.choice(index) {

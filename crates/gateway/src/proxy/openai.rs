@@ -286,6 +286,9 @@ impl Plan {
             let mut plan = Plan::from_request(Endpoint::Completions, &generate::as_completions(body, asked)?, model)?;
             plan.endpoint = Endpoint::Generate;
             plan.generate_logprobs = asked;
+            plan.sampling.prompt_logprobs_from = asked.and_then(|ask| ask.prompt_from);
+            // `/generate` shows the best alternatives alone.
+            plan.sampling.logprobs_beside_best = false;
             return Ok(plan);
         }
         let Some(fields) = body.as_object() else {
@@ -315,10 +318,6 @@ impl Plan {
         let echo = flag(body, "echo", false)?;
         if echo && endpoint == Endpoint::Chat {
             return Err(unsupported("echo", "in chat completions"));
-        }
-        if echo && logprobs.is_some() {
-            // The prompt's own log probabilities would be needed, which workers are not asked for yet.
-            return Err(unsupported("echo", "with `logprobs`"));
         }
         let n = integer(body, "n")?.unwrap_or(1);
         let n = u32::try_from(n)
@@ -386,6 +385,9 @@ impl Plan {
             logit_bias,
             constraint,
             logprobs,
+            // Echoed with its logprobs, the prompt shows its own, as vLLM's server shows them.
+            prompt_logprobs_from: (echo && logprobs.is_some()).then_some(0),
+            logprobs_beside_best: endpoint == Endpoint::Completions,
         };
         let include_usage =
             body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
@@ -587,7 +589,11 @@ mod tests {
         assert!(err(Endpoint::Completions, json!({"prompt": "x", "logprobs": -1})).contains("`logprobs`"));
         assert!(err(Endpoint::Chat, json!({"messages": [], "top_logprobs": 2})).contains("needs `logprobs: true`"));
         assert!(err(Endpoint::Completions, json!({"prompt": "x", "top_logprobs": 2})).contains("`top_logprobs`"));
-        assert!(err(Endpoint::Completions, json!({"prompt": "x", "echo": true, "logprobs": 1})).contains("`echo`"));
+        let echoed =
+            Plan::from_request(Endpoint::Completions, &json!({"prompt": "x", "echo": true, "logprobs": 1}), "m");
+        assert_eq!(echoed.unwrap().sampling.prompt_logprobs_from, Some(0), "the prompt's own logprobs are asked");
+        let bare = Plan::from_request(Endpoint::Completions, &json!({"prompt": "x", "logprobs": 1}), "m");
+        assert_eq!(bare.unwrap().sampling.prompt_logprobs_from, None);
         assert!(err(Endpoint::Chat, json!({"messages": [], "echo": true})).contains("`echo`"));
         assert!(Plan::from_request(Endpoint::Completions, &json!({"prompt": "x", "echo": true}), "m").unwrap().echo);
         assert!(err(Endpoint::Completions, json!({"prompt": "x", "messages": []})).contains("`messages`"));

@@ -75,7 +75,45 @@ pub fn chunk(index: u32, ids: &[u32], prompt: u32, logprobs: Option<pb::OutputLo
             cached_tokens: 3,
             index,
             output_logprobs: logprobs,
+            input_logprobs: None,
         })),
+    }
+}
+
+/// What the fake worker sends of the prompt `ids` from position `from` (SGLang's
+/// `logprob_start_len`): the first token without a log probability, then -1, -2, ... with
+/// `top` alternatives each (the token itself first).
+pub fn fake_input_logprobs(ids: &[u32], from: usize, top: i32) -> pb::InputLogProbs {
+    let tail = &ids[from.min(ids.len())..];
+    pb::InputLogProbs {
+        token_logprobs: (from..from + tail.len())
+            .map(|at| pb::InputTokenLogProb { value: (at > 0).then(|| -(at as f32)) })
+            .collect(),
+        token_ids: tail.to_vec(),
+        top_logprobs: (from..from + tail.len())
+            .zip(tail)
+            .map(|(at, &id)| pb::TopLogProbs {
+                values: if at == 0 { Vec::new() } else { (0..top).map(|k| -(at as f32) - k as f32).collect() },
+                token_ids: if at == 0 { Vec::new() } else { (0..top as u32).map(|k| id + k).collect() },
+            })
+            .collect(),
+    }
+}
+
+/// Puts the prompt's log probabilities in each sequence's first message, as the servicers send
+/// them.
+fn with_input_logprobs(messages: &mut [pb::GenerateResponse], input: &pb::InputLogProbs) {
+    let mut seen = std::collections::HashSet::new();
+    for m in messages {
+        match &mut m.response {
+            Some(generate_response::Response::Chunk(c)) if seen.insert(c.index) => {
+                c.input_logprobs = Some(input.clone());
+            }
+            Some(generate_response::Response::Complete(c)) if seen.insert(c.index) => {
+                c.input_logprobs = Some(input.clone());
+            }
+            _ => {}
+        }
     }
 }
 
@@ -109,7 +147,10 @@ impl SglangScheduler for FakeScheduler {
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Pieces>, Status> {
         let r = request.into_inner();
-        let prompt = r.tokenized.as_ref().map_or(0, |t| t.input_ids.len()) as u32;
+        let prompt_ids = r.tokenized.as_ref().map(|t| t.input_ids.clone()).unwrap_or_default();
+        let prompt = prompt_ids.len() as u32;
+        let input = (r.return_logprob && r.logprob_start_len >= 0)
+            .then(|| fake_input_logprobs(&prompt_ids, r.logprob_start_len as usize, r.top_logprobs_num));
         let max = r.sampling_params.as_ref().and_then(|s| s.max_new_tokens).unwrap_or(u32::MAX) as usize;
         let stream = r.stream;
         let r_n = r.sampling_params.as_ref().map_or(1, |s| s.n);
@@ -143,6 +184,7 @@ impl SglangScheduler for FakeScheduler {
                 cached_tokens: 3,
                 matched_stop: matched.clone(),
                 index,
+                input_logprobs: None,
             })),
         };
         let delay = self.chunk_delay;
@@ -173,6 +215,9 @@ impl SglangScheduler for FakeScheduler {
                 .collect();
             // The end repeats the last chunk's ids and logprobs, as the Python servicers do.
             messages.extend((0..n).map(|i| complete(i, last.clone(), count, last_from)));
+            if let Some(input) = &input {
+                with_input_logprobs(&mut messages, input);
+            }
             Box::pin(futures_util::stream::iter(messages).then(move |m| async move {
                 tokio::time::sleep(delay).await;
                 Ok(m)
@@ -180,7 +225,11 @@ impl SglangScheduler for FakeScheduler {
         } else {
             let count = ids.len() as u32;
             // Every sequence numbered 0, as SGLang's Python servicer (0.14.1) numbers a whole answer's.
-            Box::pin(futures_util::stream::iter((0..n).map(move |_| Ok(complete(0, ids.clone(), count, 0)))))
+            let mut messages: Vec<pb::GenerateResponse> = (0..n).map(|_| complete(0, ids.clone(), count, 0)).collect();
+            if let Some(input) = &input {
+                with_input_logprobs(&mut messages, input);
+            }
+            Box::pin(futures_util::stream::iter(messages.into_iter().map(Ok)))
         };
         Ok(Response::new(pieces))
     }

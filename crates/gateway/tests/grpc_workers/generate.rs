@@ -94,12 +94,41 @@ async fn several_sequences_and_their_logprobs_come_as_sglangs_server_lists_them(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prompts_own_logprobs_come_from_the_position_asked_whole_and_streamed() {
+    let f = fixture(Duration::ZERO).await;
+    let ids = [11, 12, 13, 14, 15];
+    let body = json!({"input_ids": ids, "return_logprob": true, "logprob_start_len": 0, "top_logprobs_num": 1,
+                      "sampling_params": {"max_new_tokens": 3}});
+    let answer: Value = f.gw.post("/generate", &body).await.json().await.unwrap();
+    let sent = f.seen.lock().generated[0].clone();
+    assert_eq!((sent.return_logprob, sent.logprob_start_len), (true, 0), "the worker is asked for them");
+    let meta = &answer["meta_info"];
+    let input: Vec<Value> = meta["input_token_logprobs"].as_array().unwrap_or_else(|| panic!("{answer}")).clone();
+    assert_eq!(input.len(), ids.len(), "{answer}");
+    assert_eq!(input[0], json!([null, 11, null]), "nothing predicts the first token: {answer}");
+    assert_eq!(input[2], json!([-2.0, 13, null]), "{answer}");
+    assert_eq!(meta["input_top_logprobs"][0], Value::Null, "{answer}");
+    assert_eq!(meta["input_top_logprobs"][2], json!([[-2.0, 13, null]]), "{answer}");
+    assert_eq!(meta["output_token_logprobs"].as_array().map(Vec::len), Some(3), "and the output's: {answer}");
+
+    // From the fourth token, streamed: every event carries them, as it carries the output's so far.
+    let mut body = body;
+    body["logprob_start_len"] = json!(3);
+    body["stream"] = json!(true);
+    let sse = f.gw.post("/generate", &body).await.text().await.unwrap();
+    assert_eq!(f.seen.lock().generated[1].logprob_start_len, 3);
+    for event in events(&sse) {
+        assert_eq!(event["meta_info"]["input_token_logprobs"], json!([[-3.0, 14, null], [-4.0, 15, null]]), "{sse}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_generate_cannot_carry_to_a_worker_is_refused_by_name() {
     let f = fixture(Duration::ZERO).await;
     let refused = [
         (json!({"text": ["a", "b"]}), "`text` as a batch"),
         (json!({"text": "a", "sampling_params": {"n": 0}}), "`sampling_params.n`"),
-        (json!({"text": "a", "return_logprob": true, "logprob_start_len": 0}), "`logprob_start_len`"),
+        (json!({"text": "a", "return_logprob": true, "logprob_start_len": -3}), "`logprob_start_len`"),
         (json!({"text": "a", "return_logprob": true, "token_ids_logprob": [5]}), "`token_ids_logprob`"),
         (json!({"text": "a", "return_logprob": true, "top_logprobs_num": 21}), "`top_logprobs_num`"),
         (json!({"text": "a", "lora_path": "l"}), "`lora_path`"),

@@ -266,6 +266,29 @@ async fn echo_puts_the_prompt_before_the_text_whole_and_streamed() {
             assert_eq!(text, "Once uponHello", "prompt {prompt}, stream {stream}");
         }
     }
+    // With logprobs the prompt's own come first, its first token's null (SGLang's server shows
+    // them only with alternatives asked).
+    let prompt_len = tokenizer.encode_prompt("Once upon", false).unwrap().len();
+    for stream in [false, true] {
+        let body = json!({"model": "fake-model", "prompt": "Once upon", "max_tokens": hello.len(), "echo": true,
+                          "logprobs": 1, "stream": stream});
+        let raw = f.gw.post("/v1/completions", &body).await.text().await.unwrap();
+        let sent = f.seen.lock().generated.last().cloned().unwrap();
+        assert_eq!((sent.return_logprob, sent.logprob_start_len), (true, 0), "{raw}");
+        let values: Vec<Value> = if stream {
+            raw.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .flat_map(|c| c["choices"][0]["logprobs"]["token_logprobs"].as_array().cloned().unwrap_or_default())
+                .collect()
+        } else {
+            let v: Value = serde_json::from_str(&raw).unwrap();
+            v["choices"][0]["logprobs"]["token_logprobs"].as_array().cloned().unwrap()
+        };
+        assert_eq!(values.len(), prompt_len + hello.len(), "stream {stream}: {raw}");
+        assert_eq!(values[0], Value::Null, "stream {stream}: {raw}");
+        assert_eq!(values[1], json!(-1.0), "stream {stream}: {raw}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,17 +25,36 @@ const LOGPROB_TOLERANCE: f64 = 1e-3;
 
 /// Whether two outcomes agree: all exactly, but log probabilities within the tolerance.
 pub fn agree(a: &Outcome, b: &Outcome) -> bool {
-    let near = |x: f64, y: f64| (x - y).abs() <= LOGPROB_TOLERANCE;
-    let same_shown = |x: &Shown, y: &Shown| {
-        x.0 == y.0
-            && x.1 == y.1
-            && near(x.2, y.2)
-            && x.3.len() == y.3.len()
-            && x.3.iter().zip(&y.3).all(|(p, q)| p.0 == q.0 && near(p.1, q.1))
-    };
+    // NaN stands for a log probability shown as null (a prompt's first token).
+    let near = |x: f64, y: f64| (x.is_nan() && y.is_nan()) || (x - y).abs() <= LOGPROB_TOLERANCE;
+    let same_shown =
+        |x: &Shown, y: &Shown| x.0 == y.0 && x.1 == y.1 && near(x.2, y.2) && same_alternatives(&x.0, &x.3, &y.3, near);
     (&a.0, a.1, a.2) == (&b.0, b.1, b.2)
         && a.3.len() == b.3.len()
         && a.3.iter().zip(&b.3).all(|(p, q)| p.len() == q.len() && p.iter().zip(q).all(|(x, y)| same_shown(x, y)))
+}
+
+/// Whether two lists of alternatives (sorted by name) to token `own` agree: the same log
+/// probabilities, and the same names but at the cut. Tokens tied at the lowest value of the ranked
+/// ones shown (`own` is shown whatever its rank) are cut arbitrarily (the top-k of tied logits),
+/// and kvgate asks a vLLM worker one alternative more for completions (see `vllm_alternatives` in
+/// the gateway), which may cut such a tie the other way.
+fn same_alternatives(own: &str, x: &[(String, f64)], y: &[(String, f64)], near: impl Fn(f64, f64) -> bool) -> bool {
+    if x.len() != y.len() {
+        return false;
+    }
+    let values = |l: &[(String, f64)]| {
+        let mut v: Vec<f64> = l.iter().map(|a| a.1).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    if !values(x).iter().zip(&values(y)).all(|(a, b)| near(*a, *b)) {
+        return false;
+    }
+    let ranked: Vec<(String, f64)> = x.iter().filter(|a| a.0 != own).cloned().collect();
+    let cut = values(&ranked).first().copied().unwrap_or(f64::NAN);
+    let above = |l: &[(String, f64)]| l.iter().filter(|a| !near(a.1, cut)).map(|a| a.0.clone()).collect::<Vec<_>>();
+    above(x) == above(y)
 }
 
 /// The tokens a choice's `logprobs` shows (chat's `content` list, or completions' parallel
@@ -62,11 +81,14 @@ fn shown(logprobs: &Value) -> Vec<Shown> {
         .iter()
         .enumerate()
         .map(|(i, token)| {
+            // A null in place of the alternatives (a prompt's first token) is told from none.
+            let null = logprobs["top_logprobs"][i].is_null().then(|| ("null".to_owned(), f64::NAN));
             let mut top: Vec<(String, f64)> = logprobs["top_logprobs"][i]
                 .as_object()
                 .into_iter()
                 .flatten()
                 .map(|(name, lp)| (name.clone(), f(lp)))
+                .chain(null)
                 .collect();
             top.sort_by(|a, b| a.0.cmp(&b.0));
             (token.as_str().unwrap_or_default().to_owned(), Value::Null, f(&logprobs["token_logprobs"][i]), top)
@@ -256,26 +278,27 @@ fn generate_outcome(raw: &str, stream: bool) -> anyhow::Result<Outcome> {
         choices.push((answer["text"].as_str().unwrap_or_default().to_owned(), ended));
         prompt = meta["prompt_tokens"].as_u64().unwrap_or(0);
         completion += meta["completion_tokens"].as_u64().unwrap_or(0);
-        let tokens = meta["output_token_logprobs"].as_array().cloned().unwrap_or_default();
-        logprobs.push(
-            tokens
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    let (text, id, logprob) = entry(t);
-                    let top = meta["output_top_logprobs"][i]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|alt| {
-                            let (text, id, logprob) = entry(alt);
-                            (format!("{text} ({id})"), logprob)
-                        })
-                        .collect();
-                    (text, id, logprob, top)
-                })
-                .collect(),
-        );
+        // The prompt's entries (`logprob_start_len`), marked as such, then the output's.
+        let mut shown = Vec::new();
+        for (side, tokens, tops) in [
+            ("input", "input_token_logprobs", "input_top_logprobs"),
+            ("output", "output_token_logprobs", "output_top_logprobs"),
+        ] {
+            for (i, t) in meta[tokens].as_array().into_iter().flatten().enumerate() {
+                let (text, id, logprob) = entry(t);
+                let top = meta[tops][i]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|alt| {
+                        let (text, id, logprob) = entry(alt);
+                        (format!("{text} ({id})"), logprob)
+                    })
+                    .collect();
+                shown.push((format!("{side}: {text}"), id, logprob, top));
+            }
+        }
+        logprobs.push(shown);
     }
     Ok((choices, prompt, completion, logprobs))
 }
@@ -336,6 +359,11 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
             (completions, with(json!({"prompt": "你好，世界。今天", "max_tokens": 20, "logprobs": 2}))),
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 0, "stop": ["e"]}))),
             (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 8, "echo": true}))),
+            // The prompt's own logprobs, echoed before the output's, over split characters; and
+            // sampled tokens outside the best ones (a completion then shows one alternative more).
+            (completions, with(json!({"prompt": "你好，世界。今天", "max_tokens": 8, "echo": true, "logprobs": 2}))),
+            (completions, with(json!({"prompt": "Once upon a time", "max_tokens": 6, "echo": true, "logprobs": 0, "stop": ["e"]}))),
+            (completions, with(several(json!({"prompt": "Once upon a time", "max_tokens": 10, "logprobs": 3})))),
             // The tiny model's first token here is 323: a sequence that stops on its first token
             // has no text at all (the prompt the decode is primed with must not come back).
             (completions, with(json!({"prompt": "Hello world, this is", "max_tokens": 8, "stop_token_ids": [323]}))),
@@ -389,6 +417,11 @@ pub fn cases(runtime: Runtime) -> Vec<(&'static str, Value)> {
                     "sampling_params": {"max_new_tokens": 6, "n": 2}}))),
                 ("/generate", generate(json!({"text": "Hello world, this is", "return_logprob": true,
                     "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [323]}}))),
+                // The prompt's own log probabilities, from its start and from its fourth token.
+                ("/generate", generate(json!({"text": "你好，世界。今天", "return_logprob": true, "logprob_start_len": 0,
+                    "top_logprobs_num": 2, "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 6}}))),
+                ("/generate", generate(json!({"text": "Once upon a time", "return_logprob": true, "logprob_start_len": 3,
+                    "sampling_params": {"max_new_tokens": 6}}))),
             ]);
         }
     }

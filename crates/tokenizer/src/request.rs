@@ -79,6 +79,16 @@ impl Endpoint {
         }
     }
 
+    /// Other paths vLLM's server answers this route at, which the gateway answers too (the
+    /// engine is always sent [`Self::path`]).
+    pub fn aliases(self) -> &'static [&'static str] {
+        match self {
+            Endpoint::Rerank => &["/rerank", "/v2/rerank"],
+            Endpoint::Score => &["/score"],
+            _ => &[],
+        }
+    }
+
     /// Whether the engine keeps this request's prompt in its prefix cache for later requests to
     /// reuse, so that routing it to a cache owner pays. Pooling requests (embeddings, rerank, score)
     /// generate nothing and are placed by load alone.
@@ -394,6 +404,16 @@ mod tests {
         assert_eq!(r.tokens.len(), 2 * enc("q").len() + enc("a b").len() + enc("c").len());
         let s = p(Endpoint::Score, json!({"query": [1, 2], "items": [[3], [4, 5]]})).unwrap();
         assert_eq!(s.tokens, vec![1, 2, 3, 1, 2, 4, 5]);
+        // vLLM's forms: one first text for every pair, or one each.
+        let pair = 2 * enc("q").len() + enc("a b").len() + enc("c").len();
+        for (a, b) in [("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2")] {
+            assert_eq!(p(Endpoint::Score, json!({a: "q", b: ["a b", "c"]})).unwrap().tokens.len(), pair, "{a} {b}");
+        }
+        let each = p(Endpoint::Score, json!({"text_1": ["q", "q"], "text_2": ["a b", "c"]})).unwrap();
+        assert_eq!(each.tokens.len(), pair);
+        assert!(p(Endpoint::Score, json!({"text_1": ["q", "q"], "text_2": ["a", "b", "c"]})).is_err(), "2:3");
+        let one = p(Endpoint::Rerank, json!({"query": "q", "documents": "a b"})).unwrap();
+        assert_eq!(one.tokens.len(), enc("q").len() + enc("a b").len(), "one document as a string");
         for e in [Endpoint::Embeddings, Endpoint::Rerank, Endpoint::Score] {
             assert!(!e.earns_cache_credit() && !e.can_stream());
         }

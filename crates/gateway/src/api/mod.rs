@@ -27,12 +27,14 @@ use request::Endpoint;
 pub fn routes(state: Arc<AppState>) -> Router {
     let mut router = Router::new();
     for endpoint in Endpoint::ALL {
-        router = router.route(
-            endpoint.path(),
-            post(move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| {
-                infer(state, endpoint, headers, body)
-            }),
-        );
+        for path in std::iter::once(endpoint.path()).chain(endpoint.aliases().iter().copied()) {
+            router = router.route(
+                path,
+                post(move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| {
+                    infer(state, endpoint, headers, body)
+                }),
+            );
+        }
     }
     router
         .route("/v1/models", get(models))

@@ -175,9 +175,10 @@ struct Item {
     embedding: Vector,
 }
 
-/// Both servers' `UsageInfo` as an embedding fills it; SGLang's has `reasoning_tokens` too.
+/// Both servers' `UsageInfo` as an embedding (or vLLM's score) fills it; SGLang's has
+/// `reasoning_tokens` too.
 #[derive(Serialize)]
-struct EmbedUsage {
+pub(super) struct EmbedUsage {
     prompt_tokens: u64,
     total_tokens: u64,
     completion_tokens: u64,
@@ -185,6 +186,21 @@ struct EmbedUsage {
     completion_tokens_details: Option<()>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_tokens: Option<u64>,
+}
+
+impl EmbedUsage {
+    /// The usage of a request that read `prompt_tokens` and generated nothing; `sglang` adds
+    /// SGLang's `reasoning_tokens`.
+    pub(super) fn prompt_only(prompt_tokens: u64, sglang: bool) -> Self {
+        EmbedUsage {
+            prompt_tokens,
+            total_tokens: prompt_tokens,
+            completion_tokens: 0,
+            prompt_tokens_details: None,
+            completion_tokens_details: None,
+            reasoning_tokens: sglang.then_some(0),
+        }
+    }
 }
 
 /// vLLM's answer.
@@ -219,14 +235,7 @@ impl EmbedAsk {
     ) -> Vec<u8> {
         let prompt_tokens: u64 = embeddings.iter().map(|e| u64::from(e.prompt_tokens)).sum();
         let sglang = runtime == Some(GrpcRuntime::Sglang);
-        let usage = EmbedUsage {
-            prompt_tokens,
-            total_tokens: prompt_tokens,
-            completion_tokens: 0,
-            prompt_tokens_details: None,
-            completion_tokens_details: None,
-            reasoning_tokens: sglang.then_some(0),
-        };
+        let usage = EmbedUsage::prompt_only(prompt_tokens, sglang);
         let data = embeddings
             .into_iter()
             .enumerate()

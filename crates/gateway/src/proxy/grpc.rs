@@ -29,10 +29,13 @@ use super::generate::GenerateShape;
 use super::logprobs::SequenceLogprobs;
 use super::openai::{sse, Finish, Plan, ResponseHead, Usage};
 use super::responses::ResponsesShape;
+use super::score::ScoreAsk;
 use super::{Backend, Outgoing, SendFailure};
 use crate::engines;
 use crate::error::ApiError;
-use crate::grpc_worker::{Generation, GrpcRuntime, MatchedStop, Piece, PieceStream, PromptLogprobs, TokenLogprobs};
+use crate::grpc_worker::{
+    Generation, GrpcRuntime, GrpcWorker, MatchedStop, Piece, PieceStream, PromptLogprobs, TokenLogprobs,
+};
 use crate::registry::EngineHandle;
 use crate::state::AppState;
 
@@ -322,6 +325,47 @@ fn worker_failed(state: &AppState, flight: &mut Flight, status: &tonic::Status, 
     SendFailure::Final(err)
 }
 
+/// Rerank or score (`endpoint`) on a worker whose model pools: every text embedded (the worker
+/// batches them), each pair scored by the cosine of its vectors, as vLLM's server scores them.
+async fn score(
+    state: &AppState,
+    worker: &GrpcWorker,
+    endpoint: Endpoint,
+    body: &Value,
+    served: &str,
+    flight: &mut Flight,
+) -> Result<GrpcAnswer, SendFailure> {
+    let ask = ScoreAsk::from_request(endpoint, body, served).map_err(SendFailure::Final)?;
+    if worker.known_runtime() == Some(GrpcRuntime::Sglang) {
+        return Err(SendFailure::Final(ApiError::InvalidRequest {
+            param: None,
+            message: format!(
+                "{} is not served by SGLang gRPC workers: SGLang scores with a cross-encoder or a generating model, \
+                 which `Embed` does not carry (vLLM workers score by the cosine of embeddings)",
+                endpoint.path()
+            ),
+        }));
+    }
+    // Each text on its own with the tokenizer's special tokens, as vLLM embeds a bi-encoder's
+    // inputs. (The routing parse counted the pairs as a cross-encoder reads them; these ids are
+    // the worker's input, so they are tokenized here.)
+    let mut inputs = Vec::new();
+    for text in ask.texts() {
+        let ids = state.tokenizer.encode_prompt(text, true).map_err(|e| {
+            SendFailure::Final(ApiError::InvalidRequest { param: None, message: format!("tokenizing failed: {e}") })
+        })?;
+        inputs.push(ids);
+    }
+    let request_id = format!("kvgate-{}", flight.id.0);
+    let timeout = state.config.request_timeout;
+    let asked = inputs.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
+    let embedded = futures_util::future::try_join_all(asked).await;
+    let embeddings = embedded.map_err(|status| worker_failed(state, flight, &status, "Embed"))?;
+    engines::request_succeeded(&flight.engine);
+    let body = ask.shape(&embeddings, &request_id, unix_now()).map_err(SendFailure::Final)?;
+    Ok(GrpcAnswer::Embedded(body))
+}
+
 /// Unix seconds now, for `created`.
 #[allow(clippy::disallowed_methods)] // the response's wall-clock stamp, read at the edge
 fn unix_now() -> u64 {
@@ -353,6 +397,9 @@ impl Backend for GrpcBackend {
             engines::request_succeeded(&engine);
             let body = ask.shape(embeddings, worker.known_runtime(), &request_id, unix_now());
             return Ok(GrpcAnswer::Embedded(body));
+        }
+        if matches!(request.endpoint, Endpoint::Rerank | Endpoint::Score) {
+            return score(state, worker, request.endpoint, &body, &served, flight).await;
         }
         let mut plan = Plan::from_request(request.endpoint, &body, &served).map_err(SendFailure::Final)?;
         let prompt = &request.parsed.tokens;

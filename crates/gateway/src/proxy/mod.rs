@@ -28,6 +28,7 @@ mod logprobs;
 mod openai;
 mod place;
 mod responses;
+mod score;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -245,13 +245,12 @@ fn unsupported(key: &str, why: &str) -> ApiError {
 }
 
 /// Whether a gRPC worker serves `endpoint`: the generating routes on a worker whose model
-/// generates (or has not said yet), embeddings on one whose model pools (`Embed`); rerank and
-/// score on none.
+/// generates (or has not said yet); embeddings, rerank and score on one whose model pools
+/// (`Embed`; rerank and score on vLLM workers only, checked when the worker is known).
 pub fn grpc_serves(endpoint: Endpoint, generates: Option<bool>) -> bool {
     match endpoint {
         Endpoint::Chat | Endpoint::Completions | Endpoint::Responses | Endpoint::Generate => generates != Some(false),
-        Endpoint::Embeddings => generates == Some(false),
-        Endpoint::Rerank | Endpoint::Score => false,
+        Endpoint::Embeddings | Endpoint::Rerank | Endpoint::Score => generates == Some(false),
     }
 }
 
@@ -262,8 +261,8 @@ pub fn grpc_unserved(endpoint: Endpoint) -> ApiError {
                                  generating model (or has not said what it serves yet)"
             .to_owned(),
         Endpoint::Rerank | Endpoint::Score => format!(
-            "{} is not served by gRPC workers yet: only /v1/chat/completions, /v1/completions, /v1/responses, \
-             /generate and /v1/embeddings",
+            "{} needs a vLLM worker whose model pools (it scores by the cosine of embeddings): every gRPC worker \
+             here serves a generating model (or has not said what it serves yet)",
             endpoint.path()
         ),
         _ => format!(

@@ -76,3 +76,32 @@ async fn a_worker_is_asked_only_for_what_its_model_does() {
     assert!(err.contains("needs a worker whose model pools"), "{err}");
     assert!(generating.seen.lock().embedded.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn score_and_rerank_go_to_a_worker_whose_model_pools_and_sglang_says_it_cannot() {
+    // The fake worker is SGLang's: its server scores only with a cross-encoder or a generating
+    // model, which `Embed` does not carry (vLLM workers score by cosine: the real-engine suite).
+    let embedding = embedding_fixture().await;
+    // vLLM's other paths for them are answered too.
+    let asks = [
+        ("/v1/score", json!({"text_1": "a", "text_2": ["b", "c"]})),
+        ("/score", json!({"queries": "a", "documents": "b"})),
+        ("/v1/rerank", json!({"query": "a", "documents": ["b", "c"]})),
+        ("/v2/rerank", json!({"query": "a", "documents": "b"})),
+    ];
+    for (path, body) in &asks {
+        let resp = embedding.gw.post(path, body).await;
+        assert_eq!(resp.status(), 400, "{path}");
+        let err = resp.text().await.unwrap();
+        assert!(err.contains("not served by SGLang gRPC workers"), "{path}: {err}");
+    }
+    assert!(embedding.seen.lock().embedded.is_empty(), "refused before anything is sent");
+
+    let generating = fixture(Duration::from_millis(2)).await;
+    for (path, body) in &asks {
+        let resp = generating.gw.post(path, body).await;
+        assert_eq!(resp.status(), 400, "{path}");
+        let err = resp.text().await.unwrap();
+        assert!(err.contains("needs a vLLM worker whose model pools"), "{path}: {err}");
+    }
+}

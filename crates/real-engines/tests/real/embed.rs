@@ -54,6 +54,50 @@ async fn embed(base: &str, body: &Value) -> anyhow::Result<Embedded> {
     embedded(&answer)
 }
 
+/// Scores may differ from the engine's in the last bits: kvgate sums the cosine in f64, torch in
+/// float32.
+const SCORE_TOLERANCE: f64 = 1e-5;
+
+/// vLLM's score requests in each of its forms, and rerank with a cut and without.
+fn score_cases() -> Vec<(&'static str, Value)> {
+    vec![
+        ("/v1/score", json!({"model": MODEL, "text_1": "hello", "text_2": ["hello world", "bye 🙂", "hello"]})),
+        (
+            "/v1/score",
+            json!({"model": MODEL, "queries": ["a cat", "a dog"], "documents": ["the cat sat", "dogs bark"]}),
+        ),
+        ("/v1/score", json!({"model": MODEL, "data_1": "one", "data_2": "one two"})),
+        (
+            "/v1/rerank",
+            json!({"model": MODEL, "query": "fruit", "documents": ["apple", "car", "banana 🍌", "fruit"], "top_n": 2}),
+        ),
+        ("/v1/rerank", json!({"model": MODEL, "query": "weather", "documents": ["rain", "sun", "code"]})),
+    ]
+}
+
+/// A score or rerank answer, by index: each pair's index, its score and (rerank) the document's
+/// text, in the answer's order; and the usage's prompt tokens.
+type Scored = (Vec<(u64, f64, Value)>, u64);
+
+async fn scores(base: &str, path: &str, body: &Value) -> Result<Scored, String> {
+    let response = http().post(format!("{base}{path}")).json(body).send().await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    let answer: Value = response.json().await.map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        return Err(format!("answered {status}: {answer}"));
+    }
+    let items =
+        answer["data"].as_array().or_else(|| answer["results"].as_array()).ok_or(format!("no data: {answer}"))?;
+    let pairs = items
+        .iter()
+        .map(|i| {
+            let score = i["score"].as_f64().or_else(|| i["relevance_score"].as_f64()).unwrap_or(f64::NAN);
+            (i["index"].as_u64().unwrap_or(u64::MAX), score, i["document"].clone())
+        })
+        .collect();
+    Ok((pairs, answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0)))
+}
+
 fn cases(runtime: Runtime) -> Vec<Value> {
     let mut all = vec![
         json!({"model": MODEL, "input": "Say hello."}),
@@ -102,6 +146,37 @@ pub async fn a_grpc_embedding_worker_answers_as_the_engines_own_server_does(flee
             differ.push(format!("{body}\n    engine: {}\n    kvgate: {}", show(&engine), show(&through)));
         }
     }
+    // Score and rerank: on vLLM the cosine of the two vectors, as its server scores an embedding
+    // model; SGLang's server scores only with a cross-encoder or a generating model, so there
+    // kvgate says so.
+    let scored = score_cases();
+    let mut score_refusals = Vec::new();
+    for (path, body) in &scored {
+        let through = scores(&gw.url, path, body).await;
+        if runtime == Runtime::Sglang {
+            let refused =
+                through.as_ref().err().is_some_and(|e| e.contains("400") && e.contains("not served by SGLang"));
+            if !refused {
+                score_refusals.push(format!("{path} {body}: {through:?}"));
+            }
+            continue;
+        }
+        let engine = scores(&own.url(), path, body).await;
+        let same = match (&engine, &through) {
+            (Ok(a), Ok(b)) => {
+                a.0.len() == b.0.len()
+                    && a.1 == b.1
+                    && a.0
+                        .iter()
+                        .zip(&b.0)
+                        .all(|(x, y)| x.0 == y.0 && x.2 == y.2 && (x.1 - y.1).abs() <= SCORE_TOLERANCE)
+            }
+            _ => false,
+        };
+        if !same {
+            differ.push(format!("{path} {body}\n    engine: {engine:?}\n    kvgate: {through:?}"));
+        }
+    }
     // A generating route is not sent to an embedding worker, and what `Embed` cannot carry is
     // refused by name.
     let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
@@ -112,12 +187,17 @@ pub async fn a_grpc_embedding_worker_answers_as_the_engines_own_server_does(flee
     let shorter = (shorter.status(), shorter.text().await?);
     gw.stop().await;
     drop(pair);
-    ensure!(differ.is_empty(), "{} of {} requests differ:\n{}", differ.len(), all.len(), differ.join("\n"));
+    let asked = all.len() + if runtime == Runtime::Vllm { scored.len() } else { 0 };
+    ensure!(differ.is_empty(), "{} of {} requests differ:\n{}", differ.len(), asked, differ.join("\n"));
+    ensure!(score_refusals.is_empty(), "SGLang workers took score or rerank:\n{}", score_refusals.join("\n"));
     ensure!(chat.0 == 400 && chat.1.contains("needs a worker whose model generates"), "chat answered {chat:?}");
     ensure!(shorter.0 == 400 && shorter.1.contains("`dimensions`"), "dimensions answered {shorter:?}");
     eprintln!(
-        "    gRPC embeddings: {} requests, each vector equal to the engine's own server's, bit for bit",
-        all.len()
+        "    gRPC embeddings: {} requests, each vector equal to the engine's own server's, bit for bit; {} score \
+         and rerank requests {}",
+        all.len(),
+        scored.len(),
+        if runtime == Runtime::Vllm { "scored as the engine's own server scores them" } else { "refused by name" }
     );
     Ok(())
 }

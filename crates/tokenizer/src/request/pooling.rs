@@ -1,4 +1,4 @@
-//! The pooling routes: embeddings, rerank and SGLang's score. They compute a prompt and generate
+//! The pooling routes: embeddings, rerank and score. They compute a prompt and generate
 //! nothing, so they fill no decode cache worth routing to: the gateway places them by load alone.
 //! Their prompt tokens are still real prefill work on the engine that takes them, so they are
 //! counted (every input, not just the first).
@@ -66,11 +66,16 @@ pub(super) fn rerank(
         .get("query")
         .and_then(Value::as_str)
         .ok_or_else(|| RequestError::invalid("query", "`query` must be a string"))?;
-    let documents = body
-        .get("documents")
-        .and_then(Value::as_array)
-        .filter(|d| !d.is_empty())
-        .ok_or_else(|| RequestError::invalid("documents", "`documents` must be a non-empty array"))?;
+    // vLLM takes one document as a plain string too.
+    let one;
+    let documents = match body.get("documents") {
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        Some(single @ Value::String(_)) => {
+            one = [single.clone()];
+            &one[..]
+        }
+        _ => return Err(RequestError::invalid("documents", "`documents` must be a string or a non-empty array")),
+    };
     let query = tokenizer.encode_prompt(query, add_special).map_err(tokenize_err)?;
     let mut tokens = Vec::new();
     for (i, doc) in documents.iter().enumerate() {
@@ -80,13 +85,22 @@ pub(super) fn rerank(
     Ok(tokens)
 }
 
-/// SGLang's `POST /v1/score`: `query` (text or token ids) scored with each of `items` (a string,
-/// strings, or lists of token ids).
+/// `POST /v1/score`, in either server's form: SGLang's `query` (text or token ids) scored with each
+/// of `items` (a string, strings, or lists of token ids), or vLLM's two sides (`queries` and
+/// `documents` or `items`, `data_1` and `data_2`, `text_1` and `text_2`; each a string or a list,
+/// one first text for all pairs or one per pair). Counted as each pair read together.
 pub(super) fn score(
     body: &Value,
     tokenizer: &dyn PromptTokenizer,
     add_special: bool,
 ) -> Result<Vec<u32>, RequestError> {
+    if body.get("query").is_none() {
+        if let Some((first, second)) =
+            VLLM_SCORE_SIDES.iter().find(|(a, b)| body.get(*a).is_some() && body.get(*b).is_some())
+        {
+            return vllm_score(body, first, second, tokenizer, add_special);
+        }
+    }
     let query = body.get("query").ok_or_else(|| RequestError::invalid("query", "`query` is required"))?;
     let query = one_input(query, "query", tokenizer, add_special)?;
     let items = body.get("items").ok_or_else(|| RequestError::invalid("items", "`items` is required"))?;
@@ -99,6 +113,44 @@ pub(super) fn score(
     for item in items {
         tokens.extend_from_slice(&query);
         tokens.extend(one_input(item, "items", tokenizer, false)?);
+    }
+    Ok(tokens)
+}
+
+/// vLLM's names for a score request's two sides, in the order its server tries them.
+const VLLM_SCORE_SIDES: &[(&str, &str)] =
+    &[("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")];
+
+/// The texts of one side of vLLM's score request: a string or a list. Other items (multimodal
+/// content) count no tokens here; the engine reads them.
+fn side_texts<'a>(body: &'a Value, key: &str) -> Result<Vec<&'a str>, RequestError> {
+    match body.get(key) {
+        Some(Value::String(s)) => Ok(vec![s.as_str()]),
+        Some(Value::Array(list)) if !list.is_empty() => {
+            Ok(list.iter().map(|v| v.as_str().unwrap_or_default()).collect())
+        }
+        Some(Value::Object(_)) => Ok(vec![""]),
+        _ => Err(RequestError::invalid(key, format!("`{key}` must be a string or a non-empty list"))),
+    }
+}
+
+fn vllm_score(
+    body: &Value,
+    first: &str,
+    second: &str,
+    tokenizer: &dyn PromptTokenizer,
+    add_special: bool,
+) -> Result<Vec<u32>, RequestError> {
+    let queries = side_texts(body, first)?;
+    let documents = side_texts(body, second)?;
+    if queries.len() > 1 && queries.len() != documents.len() {
+        return Err(RequestError::invalid(first, "Input lengths must be either 1:1, 1:N or N:N"));
+    }
+    let mut tokens = Vec::new();
+    for (i, document) in documents.iter().enumerate() {
+        let query = queries[if queries.len() == 1 { 0 } else { i }];
+        tokens.extend(tokenizer.encode_prompt(query, add_special).map_err(tokenize_err)?);
+        tokens.extend(tokenizer.encode_prompt(document, false).map_err(tokenize_err)?);
     }
     Ok(tokens)
 }

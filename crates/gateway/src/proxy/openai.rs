@@ -309,9 +309,22 @@ impl Plan {
         if body.get("tools").is_some_and(|t| !t.is_null())
             && body.get("tool_choice").and_then(Value::as_str) != Some("none")
         {
-            // Tool calls are parsed in the gateway in a later step; the model's text would come back
-            // as content, which a client asking for tools does not expect.
-            return Err(unsupported("tools", "(tool calls are not parsed yet; `tool_choice: \"none\"` works)"));
+            // As vLLM's server answers without a tool-call parser (measured on vLLM 0.32: "auto",
+            // the default with `tools`, "required" and a named function are each a 400); tool
+            // calls are parsed in the gateway in a later step.
+            let choice = match body.get("tool_choice") {
+                None | Some(Value::Null) => "\"auto\" (the default with `tools`)".to_owned(),
+                Some(Value::String(c)) => format!("{c:?}"),
+                Some(named) => format!("function {}", named.pointer("/function/name").unwrap_or(&Value::Null)),
+            };
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` {choice} needs a tool-call parser, which kvgate does not run for gRPC workers yet \
+                     (as vLLM's server without --tool-call-parser): `tool_choice: \"none\"` renders the tools and \
+                     answers with text"
+                ),
+            ));
         }
         let logprobs = logprobs(endpoint, body)?;
         let echo = flag(body, "echo", false)?;
@@ -596,7 +609,12 @@ mod tests {
         assert!(err(Endpoint::Chat, json!({"messages": [], "echo": true})).contains("`echo`"));
         assert!(Plan::from_request(Endpoint::Completions, &json!({"prompt": "x", "echo": true}), "m").unwrap().echo);
         assert!(err(Endpoint::Completions, json!({"prompt": "x", "messages": []})).contains("`messages`"));
-        assert!(err(Endpoint::Chat, json!({"messages": [], "tools": [{}]})).contains("tool"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "tools": [{}]})).contains("\"auto\" (the default"));
+        let named =
+            json!({"messages": [], "tools": [{}], "tool_choice": {"type": "function", "function": {"name": "f"}}});
+        assert!(err(Endpoint::Chat, named).contains("function \"f\" needs a tool-call parser"));
+        assert!(err(Endpoint::Chat, json!({"messages": [], "tools": [{}], "tool_choice": "required"}))
+            .contains("\"required\""));
         assert!(err(Endpoint::Embeddings, json!({"input": "x"})).contains("/v1/embeddings"));
         assert!(Plan::from_request(
             Endpoint::Chat,

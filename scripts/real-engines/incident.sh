@@ -3,8 +3,9 @@
 # router), then bursts of requests sharing it from many clients at once. Each router runs on a fresh
 # fleet (cold caches), configs interleaved and repeated. Reports TTFT p50/p90/p99, end-to-end p50,
 # the owner's share of each burst, each engine's share and peak waiting queue (from its own
-# /metrics), the engines' prefix-cache hit rate and their preemptions. Not part of CI; results go in
-# docs/benchmarks-incident.md.
+# /metrics), the engines' prefix-cache hit rate and their preemptions; after each SMG run, SMG's own
+# counters of its choices (cache-aware branches, overload vetoes, the loads it polled) go to
+# WORK/smg-metrics-CONFIG-ROUND.txt. Not part of CI; results go in docs/benchmarks-incident.md.
 #
 # Usage: scripts/real-engines/incident.sh [ENGINES] [REPEATS] [CONFIGS]
 #   ENGINES  engines (default 4; about 3 GB each), each with KV_TOKENS of KV (default 8192: the
@@ -67,6 +68,14 @@ if sys.argv[7]:
 print(json.dumps(r))
 PY
   tail -n 1 "$results" >&2
+  if [[ "$cfg" == smg-* ]]; then
+    # SMG's own account of its choices: which cache-aware branch each request took (tree_match,
+    # spill, expected_wait_fallback, ...), its overload vetoes and the loads it read.
+    curl -s "http://127.0.0.1:$((router_port + 1))/metrics" |
+      grep -E '^smg_(cache_aware_policy_branch_total|workers_overloaded|worker_overload|engine_waiting_requests|engine_running_requests|engine_token_usage|engine_load_polls_total|worker_requests_active|cache_aware_match_ratio_(sum|count))' \
+      > "$work/smg-metrics-$cfg-$rep.txt" || true
+    echo "SMG's own counters: $work/smg-metrics-$cfg-$rep.txt" >&2
+  fi
 }
 for_each_run bursts_once "$configs" "$repeats"
 

@@ -348,14 +348,18 @@ async fn score(
     }
     // Each text on its own with the tokenizer's special tokens, as vLLM embeds a bi-encoder's
     // inputs. (The routing parse counted the pairs as a cross-encoder reads them; these ids are
-    // the worker's input, so they are tokenized here.)
-    let mut inputs = Vec::new();
-    for text in ask.texts() {
-        let ids = state.tokenizer.encode_prompt(text, true).map_err(|e| {
-            SendFailure::Final(ApiError::InvalidRequest { param: None, message: format!("tokenizing failed: {e}") })
-        })?;
-        inputs.push(ids);
-    }
+    // the worker's input, so they are tokenized here, on the tokenizing threads: documents can be
+    // long, and the async workers serve every other connection.)
+    let tokenizer = state.tokenizer.clone();
+    let texts: Vec<String> = ask.texts().map(str::to_owned).collect();
+    let tokenized = state
+        .tokenize_pool
+        .run(move || texts.iter().map(|t| tokenizer.encode_prompt(t, true)).collect::<Result<Vec<_>, _>>())
+        .await
+        .map_err(|_| SendFailure::Final(ApiError::Internal))?;
+    let inputs = tokenized.map_err(|e| {
+        SendFailure::Final(ApiError::InvalidRequest { param: None, message: format!("tokenizing failed: {e}") })
+    })?;
     let request_id = format!("kvgate-{}", flight.id.0);
     let timeout = state.config.request_timeout;
     let asked = inputs.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));

@@ -156,7 +156,18 @@ pub(super) async fn embed_all(
             parsed.tokens.len()
         )));
     };
-    let asked = split.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
+    embed_each(worker, split, request_id, timeout).await
+}
+
+/// The embedding of each of `inputs` (token ids), asked for at once; `request_id` names them on
+/// the worker, with the input's index after it.
+pub(super) async fn embed_each(
+    worker: &GrpcWorker,
+    inputs: Vec<Vec<u32>>,
+    request_id: &str,
+    timeout: Duration,
+) -> Result<Vec<Embedding>, Status> {
+    let asked = inputs.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
     futures_util::future::try_join_all(asked).await
 }
 

@@ -361,9 +361,7 @@ async fn score(
         SendFailure::Final(ApiError::InvalidRequest { param: None, message: format!("tokenizing failed: {e}") })
     })?;
     let request_id = format!("kvgate-{}", flight.id.0);
-    let timeout = state.config.request_timeout;
-    let asked = inputs.into_iter().enumerate().map(|(i, ids)| worker.embed(format!("{request_id}-{i}"), ids, timeout));
-    let embedded = futures_util::future::try_join_all(asked).await;
+    let embedded = embed::embed_each(worker, inputs, &request_id, state.config.request_timeout).await;
     let embeddings = embedded.map_err(|status| worker_failed(state, flight, &status, "Embed"))?;
     engines::request_succeeded(&flight.engine);
     let body = ask.shape(&embeddings, &request_id, unix_now()).map_err(SendFailure::Final)?;

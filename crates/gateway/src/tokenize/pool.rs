@@ -70,9 +70,12 @@ impl TokenizePool {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let pending = Pending::count(&self.pending);
         self.pool.spawn_fifo(move || {
-            let _pending = pending;
-            if !tx.is_closed() {
-                let _ = tx.send(job());
+            let result = (!tx.is_closed()).then(job);
+            // No longer pending before the caller can see the result, so a caller that reads the
+            // count after its job never finds its own job still counted.
+            drop(pending);
+            if let Some(result) = result {
+                let _ = tx.send(result);
             }
         });
         rx.await.map_err(|_| PoolError::Panicked)

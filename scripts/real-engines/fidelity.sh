@@ -3,7 +3,8 @@
 # engines paced like GPUs, behind kvgate `enforce`, kvgate `off` and SMG 1.13 `cache_aware`; then
 # `kvgate sim` replays the very same slice on engine models configured as that fleet (the paced
 # profile, and the engines' own step budget, batch limit, KV size and block size) under
-# `projected:enforce`, `projected:off` and `cache_aware`, with kvgate's bench settings. Prints both
+# `projected:enforce`, `projected:off` and `smg_cache_aware_http` (SMG over HTTP engines), with
+# kvgate's bench settings. Prints both
 # side by side: TTFT p50/p90/p99, end-to-end p50, output tokens/s, the engines' hit rate, each
 # engine's share (largest first: engine numbers differ between the two) and its peak waiting queue,
 # with the simulator's error. Not part of CI; results go in docs/simulator.md.
@@ -33,7 +34,7 @@ cargo build --release -p kvgate --quiet
 
 scripts/real-engines/sim-profile.sh "$runtime" "$pace" "$scale" "$kv_tokens" "$block" > "$work/sim-profile.json"
 target/release/kvgate sim --trace "$work/slice.jsonl" --trace-block-tokens "$block" --workers "$engines" \
-  --profile "$work/sim-profile.json" --compare projected:enforce,projected:off,cache_aware \
+  --profile "$work/sim-profile.json" --compare projected:enforce,projected:off,smg_cache_aware_http \
   --assumed-decode-tokens 32 --admission-wait-s 0 --format json > "$work/sim.json"
 
 python3 - "$work/results.jsonl" "$work/sim.json" "$rows" "$engines" "$runtime" "$pace" "$scale" <<'PY'
@@ -41,7 +42,7 @@ import sys
 sys.path.insert(0, "scripts/real-engines")
 from fidelity_common import error, latencies, mean, pairs, runs_count
 results, sim_path, rows, engines, runtime, pace, scale = sys.argv[1:8]
-names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"), ("smg-cache_aware", "cache_aware")]
+names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"), ("smg-cache_aware", "smg_cache_aware_http")]
 print(f"{rows} Mooncake rows on {engines} {runtime} engines paced as {pace} x {scale}: real (mean of "
       f"{runs_count(results)} runs) against kvgate sim; error = sim / real - 1\n")
 print("| router | | TTFT p50 (ms) | p90 | p99 | e2e p50 (ms) | output tok/s | hit rate | shares, largest first | busiest peak queue |")

@@ -166,6 +166,7 @@ def main():
     served = [0] * len(ports)
     peak = [0.0] * len(ports)
     owner_shares = []
+    slowest = [0.0] * a.bursts
     prompt_tokens = cached_tokens = 0
     for burst in range(a.bursts):
         questions = [text(rng, a.question_words) for _ in range(a.per_burst)]
@@ -194,6 +195,7 @@ def main():
                     with lock:
                         ttft.append(first)
                         e2e.append(whole)
+                        slowest[burst] = max(slowest[burst], first)
                         prompt_tokens += usage.get("prompt_tokens", 0)
                         cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 except Exception as err:  # every failure is counted and reported
@@ -226,6 +228,7 @@ def main():
                 "first_failure": failures[0] if failures else None,
                 "ttft_ms": {q: ms(quantile(ttft, v)) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
                 "e2e_ms": {"p50": ms(quantile(e2e, 0.5)), "p90": ms(quantile(e2e, 0.9))},
+                "slowest_ttft_ms_by_burst": [ms(s) for s in slowest],
                 "owner": owner,
                 "owner_share": round(statistics.mean(owner_shares), 3),
                 "shares": [round(s / total, 3) for s in served],

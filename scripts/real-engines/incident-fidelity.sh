@@ -5,8 +5,9 @@
 # off; then `kvgate sim --scenario incident-bursts` sends the same requests (the
 # prefix's and the questions' token counts measured on the model's tokenizer, the same clients,
 # bursts and output) to engine models configured as that fleet (sim-profile.sh) under
-# `projected:enforce`, `projected:off`, `smg_cache_aware` (SMG 1.13's guards on) and `cache_aware`
-# (off), with the bench's router settings. Prints
+# `projected:enforce`, `projected:off`, `smg_cache_aware_http` (SMG 1.13 as it runs over HTTP
+# engines: its own tree of what it sent, guards on) and `cache_aware` (guards off), with the bench's
+# router settings. Prints
 # both side by side: TTFT p50/p90/p99, end-to-end p50, the engines' hit rate, each engine's share,
 # peak waiting queue and preemptions (the owner first), with the simulator's error. Not part of
 # CI; results go in docs/simulator-fidelity.md.
@@ -63,7 +64,7 @@ PY
 target/release/kvgate sim --scenario incident-bursts --workers "$engines" --profile "$work/sim-profile.json" \
   --prefix-tokens "$prefix_tokens" --question-tokens "$question_tokens" --output-tokens "$output" \
   --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" \
-  --compare projected:enforce,projected:off,smg_cache_aware,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
+  --compare projected:enforce,projected:off,smg_cache_aware_http,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
   --admission-wait-s 0 --format json > "$work/sim.json"
 
 python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "$scale" "$prefix_tokens" "$question_tokens" <<'PY'
@@ -72,7 +73,7 @@ sys.path.insert(0, "scripts/real-engines")
 from fidelity_common import error, latencies, mean, pairs, runs_count
 results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens = sys.argv[1:9]
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
-         ("smg-cache_aware", "smg_cache_aware"), ("smg-cache_aware-unguarded", "cache_aware")]
+         ("smg-cache_aware", "smg_cache_aware_http"), ("smg-cache_aware-unguarded", "cache_aware")]
 owner_first = lambda xs, owner: [xs[owner]] + [x for i, x in enumerate(xs) if i != owner]
 print(f"the incident's bursts on {engines} {runtime} engines paced as {pace} x {scale} (prefix {prefix_tokens} "
       f"tokens, questions {question_tokens}): real (mean of {runs_count(results)} runs) against kvgate sim; "

@@ -39,7 +39,9 @@ pub struct SimArgs {
     trace: Option<PathBuf>,
     /// Policy: round_robin, random, power_of_two (the gateway's), smg_least_load, smg_power_of_two,
     /// cache_aware, cache_aware_seeded, smg_cache_aware (SMG 1.13 as shipped: cache_aware with its
-    /// guards), sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or projected:off|shadow|enforce).
+    /// guards, on KV events as over gRPC workers), smg_cache_aware_http (the same over HTTP workers:
+    /// its own tree of what it sent), sglang_v04, dynamo, llm_d, aibrix, lmetric, projected (or
+    /// projected:off|shadow|enforce).
     #[arg(long, default_value = "projected")]
     policy: String,
     /// Mode of the projected policy.

@@ -1,5 +1,6 @@
 //! Baselines that learn prefixes from their own routing decisions (no engine events): the classic
-//! SGLang cache-aware router (§4), AIBrix `prefix-cache` (§7) and LMetric (§8).
+//! SGLang cache-aware router (§4), SMG 1.13's `cache_aware` over HTTP workers, AIBrix
+//! `prefix-cache` (§7) and LMetric (§8).
 //!
 //! Their trees match characters or bytes of prompt text; the simulator has token ids, so every tree
 //! here matches 16-token pages of the prompt (the router's chained block keys at block size 16),
@@ -7,7 +8,8 @@
 
 use std::time::Duration;
 
-use kvgate_core::{BlockKey, RequestId, Timestamp};
+use kvgate_core::policy::cache_aware::{self, Candidate, SMG_OVERLOAD_KV_USAGE, SMG_OVERLOAD_WAITING};
+use kvgate_core::{BlockKey, PolicyConfig, PolicyName, RequestId, Timestamp};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
@@ -105,6 +107,11 @@ impl ApproxIndex {
         depth
     }
 
+    /// When `worker` was last sent a prompt with page `key`, if it was.
+    pub fn touched(&self, key: &BlockKey, worker: usize) -> Option<Timestamp> {
+        self.entries.get(key)?.iter().find(|(w, _)| *w == worker).map(|(_, t)| *t)
+    }
+
     /// Pages recorded for a worker (the tenant's tree size).
     pub fn size_of(&self, worker: usize) -> u64 {
         self.per_worker[worker]
@@ -154,6 +161,87 @@ impl SimPolicy for SglangV04 {
                 uniform(&argmin_set(&h, |w| self.tree.size_of(w)), rng)?
             }
         };
+        self.tree.insert(keys, w, now);
+        Some(Pick::of(w))
+    }
+}
+
+/// SMG 1.13's `cache_aware` over HTTP workers, as it runs there: no engine events, so it matches the
+/// request against its own tree of what it sent each worker, crediting a prompt to the chosen worker
+/// at routing time (its counters name the branches: `tree_match`, `spill`,
+/// `expected_wait_fallback`; 257, 31 and 2 of 290 requests on the paced incident's bursts).
+///
+/// - Workers over SMG's overload thresholds (8 waiting or 0.8 KV usage in the polled report) are
+///   left out while another is under both.
+/// - A match rate (matched over the prompt's pages) under `cache_threshold` (0.3) goes to the least
+///   loaded worker (SMG scores those by expected wait; in-flight requests stand for it here).
+/// - Otherwise the deepest holder, **whatever its load**. Measured on SMG 1.13 (its debug log, two
+///   workers both holding a 3,600-character prefix): eight concurrent requests of that prefix with
+///   new endings all went to the one holder that had been sent the first of them (in flight 0 to 7)
+///   while the other sat idle, because its tree matched the ending's first characters too. The
+///   character tree gives a family of requests to the holder that got the family's first one;
+///   pages of 16 tokens tie there, so the model gives the tie to the holder most recently sent the
+///   deepest matched page (then a draw).
+/// - The pick then meets SMG's spill gate with its capped margin (`cache_aware::pick`, guards on):
+///   only past it does load move a request, to the least loaded worker.
+///
+/// SMG evicts its tree by size every 120 s; the model forgets by size alone (1M pages per fleet).
+#[derive(Debug)]
+pub struct SmgCacheAwareHttp {
+    tree: ApproxIndex,
+    cfg: PolicyConfig,
+}
+
+/// SMG 1.13's `cache_threshold`: the match rate under which a request is routed by load alone.
+pub const SMG_CACHE_THRESHOLD: f64 = 0.3;
+
+impl SmgCacheAwareHttp {
+    /// A router for `fleet`.
+    pub fn new(fleet: &FleetInfo) -> Self {
+        SmgCacheAwareHttp {
+            tree: ApproxIndex::new(fleet.workers, Duration::MAX, 1 << 20),
+            cfg: PolicyConfig { smg_guards: true, ..PolicyConfig::new(PolicyName::CacheAware) },
+        }
+    }
+}
+
+impl SimPolicy for SmgCacheAwareHttp {
+    fn decide(
+        &mut self,
+        req: &PolicyRequest<'_>,
+        view: &[WorkerView],
+        now: Timestamp,
+        rng: &mut ChaCha8Rng,
+    ) -> Option<Pick> {
+        use rand::Rng;
+        let h = healthy(view);
+        let keys = req.page_keys;
+        let depth = self.tree.overlaps(keys, now);
+        let overloaded = |w: usize| {
+            view[w]
+                .snapshot
+                .as_ref()
+                .is_some_and(|s| s.waiting_requests >= SMG_OVERLOAD_WAITING || s.kv_usage >= SMG_OVERLOAD_KV_USAGE)
+        };
+        let eligible_depth = |w: usize| if overloaded(w) { 0 } else { depth[w] };
+        let best = h.iter().map(|&w| eligible_depth(w)).max().unwrap_or(0);
+        let rate = if keys.is_empty() { 0.0 } else { best as f64 / keys.len() as f64 };
+        let deepest: Vec<usize> = h.iter().copied().filter(|&w| best > 0 && eligible_depth(w) == best).collect();
+        let last_page = best.checked_sub(1).and_then(|i| keys.get(i as usize));
+        let latest = |w: usize| last_page.and_then(|k| self.tree.touched(k, w)).unwrap_or_default();
+        let newest = argmin_set(&deepest, |w| std::cmp::Reverse(latest(w)));
+        let drawn = (rate >= SMG_CACHE_THRESHOLD).then(|| uniform(&newest, rng)).flatten();
+        let candidates: Vec<Candidate> = h
+            .iter()
+            .map(|&w| Candidate {
+                in_flight: view[w].in_flight,
+                routed: view[w].routed,
+                overlap_blocks: u32::from(Some(w) == drawn),
+                overloaded: overloaded(w),
+            })
+            .collect();
+        let picked = cache_aware::pick(&candidates, keys.len(), &self.cfg, None, rng.random())?;
+        let w = h[picked.index()];
         self.tree.insert(keys, w, now);
         Some(Pick::of(w))
     }
@@ -261,6 +349,75 @@ impl SimPolicy for Lmetric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
+
+    fn fleet(workers: usize) -> FleetInfo {
+        FleetInfo {
+            workers,
+            block_size: 16,
+            prefill_tokens_per_s: 10_000.0,
+            decode_tokens_per_s: 1_000.0,
+            kv_capacity_tokens: 100_000,
+            max_running_requests: 64,
+            chunk_tokens: 2_048,
+            first_worker_rate_scale: 1.0,
+        }
+    }
+
+    /// Sends a request of `shared` common pages and `own` pages of its own (keyed by `tag`) through
+    /// `policy`, counting it in flight on the worker it chose.
+    fn route(policy: &mut SmgCacheAwareHttp, view: &mut [WorkerView], shared: u64, own: u64, tag: u64) -> usize {
+        let keys: Vec<BlockKey> =
+            (0..shared).map(BlockKey).chain((0..own).map(|i| BlockKey(1_000 * tag + i))).collect();
+        let req = PolicyRequest {
+            id: RequestId(tag),
+            keys: &keys,
+            page_keys: &keys,
+            prompt_tokens: 16 * keys.len() as u64,
+            max_tokens: 8,
+        };
+        let now = Timestamp::from_millis(tag);
+        let w = policy.decide(&req, view, now, &mut ChaCha8Rng::seed_from_u64(tag)).unwrap().worker;
+        view[w].in_flight += 1;
+        view[w].routed += 1;
+        w
+    }
+
+    #[test]
+    fn smg_over_http_keeps_a_prefix_on_its_latest_holder_until_the_spill_gate() {
+        let mut policy = SmgCacheAwareHttp::new(&fleet(4));
+        let mut view = vec![WorkerView { healthy: true, ..WorkerView::default() }; 4];
+        // Nothing matches: the least loaded (the lowest slot on a tie).
+        let owner = route(&mut policy, &mut view, 8, 2, 1);
+        for w in (0..4).filter(|&w| w != owner) {
+            view[w].in_flight = 3;
+        }
+        // The prefix goes on to its holder however busy, up to the gate: at 9 in flight against 3 on
+        // each peer the mean is 4.5 and the margin max(4, 2·√4.5), so the holder spills the 10th.
+        for tag in 2..=9 {
+            assert_eq!(route(&mut policy, &mut view, 8, 2, tag), owner, "request {tag}");
+        }
+        assert_eq!(view[owner].in_flight, 9);
+        let spilled = route(&mut policy, &mut view, 8, 2, 10);
+        assert_ne!(spilled, owner, "over the gate: the least loaded");
+        // The spill target was credited the prefix when it was sent it, so it now holds it too, and
+        // being its latest holder it takes the next request of the prefix though the owner is free.
+        view[owner].in_flight = 0;
+        assert_eq!(route(&mut policy, &mut view, 8, 2, 11), spilled);
+    }
+
+    #[test]
+    fn smg_over_http_routes_a_low_match_by_load_alone() {
+        let mut policy = SmgCacheAwareHttp::new(&fleet(2));
+        let mut view = vec![WorkerView { healthy: true, ..WorkerView::default() }; 2];
+        let first = route(&mut policy, &mut view, 2, 0, 1);
+        // Two pages of eight held (a match rate of 0.25, under 0.3): load decides.
+        let second = route(&mut policy, &mut view, 2, 6, 2);
+        assert_ne!(second, first);
+        // Two of five (0.4): both hold them; the latest holder wins though it is the busier.
+        view[second].in_flight = 5;
+        assert_eq!(route(&mut policy, &mut view, 2, 3, 3), second);
+    }
 
     #[test]
     fn approximate_index_expires_idle_entries_and_respects_its_cap() {

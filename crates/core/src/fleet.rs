@@ -216,6 +216,8 @@ pub(crate) struct WorkerState {
     /// The earliest dispatch not yet followed by a KV event: if it is old, events went quiet while
     /// traffic flowed and the worker's KV view is stale.
     pub(crate) unanswered_dispatch_since: Option<Timestamp>,
+    /// Prompts sent here that its KV events may not show yet, credited as cached meanwhile.
+    pub(crate) pending: crate::pending_prefix::PendingPrefixes,
 }
 
 /// How far (as a fraction) a measured rate may be off the configured one and still leave the
@@ -276,6 +278,7 @@ impl WorkerState {
             peer_ledger: WorkerLedger::default(),
             routed: 0,
             unanswered_dispatch_since: None,
+            pending: Default::default(),
         }
     }
 

@@ -78,6 +78,7 @@ pub mod kv_stream;
 pub mod ledger;
 pub mod load;
 pub mod outbox;
+mod pending_prefix;
 pub mod policy;
 pub mod policy_name;
 pub mod prefix_demand;

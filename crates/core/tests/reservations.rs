@@ -5,7 +5,10 @@ mod support;
 use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 
-use kvgate_core::{LoadSnapshot, Mode, PolicyConfig, PolicyName, RequestId, Timestamp, WorkerId};
+use kvgate_core::router::Router;
+use kvgate_core::{
+    KvState, LoadSnapshot, Mode, PolicyConfig, PolicyName, RequestId, Timestamp, WorkerConfig, WorkerId,
+};
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -248,4 +251,32 @@ fn preview_decides_without_reserving() {
     let d = decide(&router, &req, T0);
     assert_eq!(d.worker, a.worker);
     assert_eq!(router.in_flight(), 1);
+}
+
+#[test]
+fn requests_of_one_prefix_in_flight_on_a_worker_count_its_blocks_once_in_its_kv() {
+    // A prefix nobody holds yet, sent to a worker whose KV has room for it about twice over. The
+    // engine shares the prefix's blocks between the requests carrying it, so the second request
+    // adds only its own tail to the projected KV: no pressure, where counting the prefix twice
+    // would put the worker past the barrier's threshold. It is no saved prefill: nothing is credited
+    // as cached until the events show it.
+    let router = Router::new(BLOCK, PolicyConfig::projected(Mode::Enforce)).unwrap();
+    for i in 0..2 {
+        let config = WorkerConfig { kv_capacity_tokens: 10_000, ..WorkerConfig::new(wid(i)) };
+        router.add_worker(config, KvState::Synced).unwrap();
+        router.update_load(&wid(i), idle()).unwrap();
+    }
+    let prefix = tokens("not yet cached", 4000);
+    let first = decide(&router, &Req::new(&router, 0, &hot_prompt(&prefix, 0, 500), 100), T0);
+    let second = decide(&router, &Req::new(&router, 1, &hot_prompt(&prefix, 1, 500), 100), T0);
+    let on_first = second.scores.iter().find(|s| s.worker == first.worker).unwrap();
+    assert_eq!(on_first.barrier_s, 0.0, "4,600 + 600 of 10,000 tokens: {on_first:?}");
+    assert!(second.scores.iter().all(|s| s.cached_tokens == 0), "{:?}", second.scores);
+    // Another worker's requests, or a request that has ended, share nothing.
+    router.release(first.request, T0).unwrap();
+    router.release(second.request, T0).unwrap();
+    let busy = decide(&router, &Req::new(&router, 2, &tokens("another prompt", 4500), 100), T0);
+    let third = decide(&router, &Req::new(&router, 3, &hot_prompt(&prefix, 3, 500), 100), T0);
+    let on_busy = third.scores.iter().find(|s| s.worker == busy.worker).unwrap();
+    assert!(on_busy.barrier_s > 0.0, "4,600 + 4,600 of 10,000 tokens: {on_busy:?}");
 }

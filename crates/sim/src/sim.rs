@@ -562,11 +562,7 @@ impl<'w> Simulation<'w> {
             prefill_tps: p.prefill_tokens_per_s,
             decode_tps: p.decode_tokens_per_s(p.max_running as u64, 4096),
         };
-        let ask = projected::Ask {
-            prompt_tokens: tokens.len() as u64,
-            cached_tokens: 0,
-            max_tokens: u64::from(req.output_tokens),
-        };
+        let ask = projected::Ask::new(tokens.len() as u64, 0, u64::from(req.output_tokens));
         projected::score(&load, ask, &self.cfg.knobs).queue_s()
     }
 

@@ -366,6 +366,8 @@ pub(crate) struct Scored {
     pub(crate) load: WorkerLoad,
     pub(crate) terms: Terms,
     pub(crate) cached_tokens: u64,
+    /// The KV tokens the request would add there (see [`projected::Ask::new_kv_tokens`]).
+    pub(crate) new_kv_tokens: u64,
     pub(crate) raw_blocks: u32,
     pub(crate) withheld: Option<FallbackReason>,
     pub(crate) load_problem: Option<FallbackReason>,

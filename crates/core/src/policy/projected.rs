@@ -123,20 +123,38 @@ pub struct Ask {
     pub cached_tokens: u64,
     /// Tokens it may decode.
     pub max_tokens: u64,
+    /// Leading prompt tokens whose KV blocks it would share with a request already in flight on
+    /// this worker (`crate::pending_prefix`): counted once in the projected KV usage, never as
+    /// saved prefill.
+    pub kv_shared_tokens: u64,
+}
+
+impl Ask {
+    /// A request sharing no KV blocks with one in flight.
+    pub fn new(prompt_tokens: u64, cached_tokens: u64, max_tokens: u64) -> Self {
+        Ask { prompt_tokens, cached_tokens, max_tokens, kv_shared_tokens: 0 }
+    }
+
+    /// The KV tokens it would add to the worker's usage: its prompt beyond the blocks it shares with
+    /// a request in flight there, and its output. A cached prefix no request is using counts: the
+    /// engines report such blocks as free (evictable), and they are in use again once this request
+    /// runs on them.
+    pub fn new_kv_tokens(&self) -> u64 {
+        self.prompt_tokens - self.kv_shared_tokens.min(self.prompt_tokens) + self.max_tokens
+    }
 }
 
 /// Scores one worker for a request.
 pub fn score(load: &WorkerLoad, ask: Ask, cfg: &PolicyConfig) -> Terms {
-    let Ask { prompt_tokens, cached_tokens, max_tokens } = ask;
+    let Ask { prompt_tokens, cached_tokens, max_tokens, .. } = ask;
     let cached = cached_tokens.min(prompt_tokens);
     let wait_s = load.waiting_tokens as f64 / load.prefill_tps;
     let decode_s = occupancy_s(load, prompt_tokens - cached);
-    let usage =
-        |new_tokens: u64| (load.kv_tokens + new_tokens + max_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64;
+    let usage = |new_kv_tokens: u64| (load.kv_tokens + new_kv_tokens) as f64 / load.kv_capacity_tokens.max(1) as f64;
     let prefill_s = (prompt_tokens - cached) as f64 / load.prefill_tps;
-    let barrier_s = kv_barrier_s(usage(prompt_tokens - cached), cfg);
+    let barrier_s = kv_barrier_s(usage(ask.new_kv_tokens()), cfg);
     let full_prefill_s = prompt_tokens as f64 / load.prefill_tps;
-    let full_barrier_s = kv_barrier_s(usage(prompt_tokens), cfg);
+    let full_barrier_s = kv_barrier_s(usage(prompt_tokens + max_tokens), cfg);
     Terms {
         wait_s,
         decode_s,
@@ -313,7 +331,7 @@ mod tests {
     use crate::policy::Mode;
 
     fn ask(prompt_tokens: u64, cached_tokens: u64, max_tokens: u64) -> Ask {
-        Ask { prompt_tokens, cached_tokens, max_tokens }
+        Ask::new(prompt_tokens, cached_tokens, max_tokens)
     }
 
     fn idle() -> WorkerLoad {
@@ -390,6 +408,16 @@ mod tests {
         assert!((t_room.decode_s - 8.0 / 2_000.0).abs() < 1e-12, "{}", t_room.decode_s);
         // 8 + 2 + 1 = 11 wanted, 10 slots: one must finish. They finish at 8 × 2,000 / 800 = 20 a second.
         assert!((t_full.decode_s - t_room.decode_s - 1.0 / 20.0).abs() < 1e-12, "{}", t_full.decode_s);
+    }
+
+    #[test]
+    fn a_request_adds_to_kv_what_it_shares_with_no_request_in_flight() {
+        // A cached prefix nobody uses is free KV in the engine's report and in use once this runs.
+        assert_eq!(ask(2_600, 1_900, 128).new_kv_tokens(), 2_728);
+        let sharing = Ask { kv_shared_tokens: 1_900, ..ask(2_600, 1_900, 128) };
+        assert_eq!(sharing.new_kv_tokens(), 828);
+        let over = Ask { kv_shared_tokens: 5_000, ..ask(2_600, 0, 128) };
+        assert_eq!(over.new_kv_tokens(), 128);
     }
 
     #[test]

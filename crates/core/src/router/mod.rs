@@ -384,6 +384,7 @@ impl Router {
         let slot = fleet.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
         if let Some(w) = fleet.workers[slot.index()].as_mut() {
             w.calibrate_end(id, now, output_tokens);
+            w.pending.release(id);
             w.ledger.finish(id, now).map_err(|_| CoreError::UnknownRequest(id))?;
         }
         fleet.share(ReservationChange::Released { request: id }, now);
@@ -465,7 +466,7 @@ impl Router {
 
         let winner = &scored[chosen];
         let prefill_tokens = req.prompt_tokens - winner.cached_tokens;
-        let work = Work { prefill_tokens, decode_tokens: req.max_tokens, kv_tokens: prefill_tokens + req.max_tokens };
+        let work = Work { prefill_tokens, decode_tokens: req.max_tokens, kv_tokens: winner.new_kv_tokens };
         if commit {
             let last_event_at = self.index.read().last_event_at(winner.slot);
             let state = fleet.workers[winner.slot.index()].as_mut().expect("scored slots are live");
@@ -478,6 +479,7 @@ impl Router {
             }
             state.routed += 1;
             state.note_dispatch(now, last_event_at);
+            state.pending.note(req.id, req.keys);
             fleet.demand.add(work.prefill_tokens, now);
             if let Some(key) = hot_prefix {
                 fleet.prefix_demand.add(key, now);
@@ -560,10 +562,18 @@ impl Router {
             };
             let cached_tokens =
                 if withheld.is_none() { reusable_tokens(raw_blocks, req.prompt_tokens, self.block_size) } else { 0 };
+            // Blocks a request in flight here carries are counted once in its KV, on an engine whose
+            // events show it caches and shares prefixes (`crate::pending_prefix`).
+            let shares_prefixes = load_problem.is_none() && matches!(index.state(slot), Some(KvState::Synced));
+            let shared_blocks = if shares_prefixes { w.pending.leading(req.keys) } else { 0 };
+            let ask = projected::Ask {
+                kv_shared_tokens: reusable_tokens(shared_blocks, req.prompt_tokens, self.block_size),
+                ..projected::Ask::new(req.prompt_tokens, cached_tokens, req.max_tokens)
+            };
             let load = w.load();
-            let ask = projected::Ask { prompt_tokens: req.prompt_tokens, cached_tokens, max_tokens: req.max_tokens };
             let terms = projected::score(&load, ask, cfg);
-            scored.push(Scored { slot, load, terms, cached_tokens, raw_blocks, withheld, load_problem });
+            let new_kv_tokens = ask.new_kv_tokens();
+            scored.push(Scored { slot, load, terms, cached_tokens, new_kv_tokens, raw_blocks, withheld, load_problem });
         }
         fleet.scratch_overlap = raw;
         let capacity = scored.iter().map(|s| s.load.prefill_tps).sum();

@@ -121,6 +121,31 @@ fn bench_decision(c: &mut Criterion) {
             })
         });
         router.share_reservations(false);
+        // 512 requests in flight that share the prompt's first 7,680 tokens and end apart: each
+        // worker's carriers are walked for the KV the prompt shares with them (`pending_prefix`),
+        // and none covers it whole, so every one is searched (the worst case).
+        let held: Vec<RequestId> = (0..512u64)
+            .map(|i| {
+                let mut other = prompt[..PROMPT_TOKENS - 512].to_vec();
+                other.extend(tokens(1 << 30 | i, 512));
+                let other_keys = router.request_keys(Namespace::DEFAULT, &other);
+                let req = RouteRequest {
+                    id: RequestId(u64::MAX - i),
+                    keys: &other_keys,
+                    prompt_tokens: prompt.len() as u64,
+                    max_tokens: 256,
+                    exclude: &[],
+                    keys_cover_prompt: true,
+                };
+                router.decide(&req, Timestamp::ZERO, &mut ChaCha8Rng::seed_from_u64(i)).unwrap().request
+            })
+            .collect();
+        group.bench_function(BenchmarkId::new("decide_release_prehashed_512_in_flight", workers), |b| {
+            b.iter(|| decide_and_release(black_box(&keys)))
+        });
+        for id in held {
+            router.release(id, Timestamp::ZERO).unwrap();
+        }
     }
     group.bench_function("hash_8k_prompt", |b| {
         let prompt = tokens(7, PROMPT_TOKENS);

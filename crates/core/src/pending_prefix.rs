@@ -48,23 +48,23 @@ impl PendingPrefixes {
         let Some(first) = keys.first() else {
             return 0;
         };
-        self.carriers
-            .values()
-            .filter(|carried| carried.first() == Some(first))
-            .map(|carried| {
-                let (mut lo, mut hi) = (1, keys.len().min(carried.len()));
-                while lo < hi {
-                    let mid = lo + (hi - lo) / 2;
-                    if carried[mid] == keys[mid] {
-                        lo = mid + 1;
-                    } else {
-                        hi = mid;
-                    }
+        let mut longest = 0;
+        for carried in self.carriers.values().filter(|carried| carried.first() == Some(first)) {
+            let (mut lo, mut hi) = (1, keys.len().min(carried.len()));
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if carried[mid] == keys[mid] {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
                 }
-                lo as u32
-            })
-            .max()
-            .unwrap_or(0)
+            }
+            longest = longest.max(lo);
+            if longest == keys.len() {
+                break;
+            }
+        }
+        longest as u32
     }
 }
 

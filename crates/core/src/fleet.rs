@@ -216,7 +216,8 @@ pub(crate) struct WorkerState {
     /// The earliest dispatch not yet followed by a KV event: if it is old, events went quiet while
     /// traffic flowed and the worker's KV view is stale.
     pub(crate) unanswered_dispatch_since: Option<Timestamp>,
-    /// Prompts sent here that its KV events may not show yet, credited as cached meanwhile.
+    /// The block keys of this router's requests in flight here, so that the KV a prompt shares with
+    /// them is counted once ([`crate::pending_prefix`]).
     pub(crate) pending: crate::pending_prefix::PendingPrefixes,
 }
 

@@ -85,7 +85,13 @@ impl Policy for CacheAware {
 fn overloaded(load: &WorkerLoad) -> bool {
     let kv_usage =
         if load.kv_capacity_tokens > 0 { load.kv_tokens as f64 / load.kv_capacity_tokens as f64 } else { 0.0 };
-    load.waiting_requests >= SMG_OVERLOAD_WAITING || kv_usage >= SMG_OVERLOAD_KV_USAGE
+    over_smg_overload_thresholds(load.waiting_requests, kv_usage)
+}
+
+/// Whether a worker with these waiting requests and KV usage (0 to 1) is over SMG 1.13's worker
+/// overload thresholds.
+pub fn over_smg_overload_thresholds(waiting_requests: u64, kv_usage: f64) -> bool {
+    waiting_requests >= SMG_OVERLOAD_WAITING || kv_usage >= SMG_OVERLOAD_KV_USAGE
 }
 
 /// One eligible worker as the cache-aware rule sees it.

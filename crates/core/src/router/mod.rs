@@ -563,11 +563,12 @@ impl Router {
             let cached_tokens =
                 if withheld.is_none() { reusable_tokens(raw_blocks, req.prompt_tokens, self.block_size) } else { 0 };
             // Blocks a request in flight here carries are counted once in its KV, on an engine whose
-            // events show it caches and shares prefixes (`crate::pending_prefix`).
-            let shares_prefixes = load_problem.is_none() && matches!(index.state(slot), Some(KvState::Synced));
+            // events show it caches and shares prefixes (`crate::pending_prefix`). Whole blocks are
+            // shared, the prompt's last token included.
+            let shares_prefixes = matches!(index.state(slot), Some(KvState::Synced));
             let shared_blocks = if shares_prefixes { w.pending.leading(req.keys) } else { 0 };
             let ask = projected::Ask {
-                kv_shared_tokens: reusable_tokens(shared_blocks, req.prompt_tokens, self.block_size),
+                kv_shared_tokens: u64::from(shared_blocks) * u64::from(self.block_size),
                 ..projected::Ask::new(req.prompt_tokens, cached_tokens, req.max_tokens)
             };
             let load = w.load();

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use kvgate_core::policy::cache_aware::{self, Candidate, SMG_OVERLOAD_KV_USAGE, SMG_OVERLOAD_WAITING};
+use kvgate_core::policy::cache_aware::{self, Candidate};
 use kvgate_core::{BlockKey, PolicyConfig, PolicyName, RequestId, Timestamp};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
@@ -217,11 +217,12 @@ impl SimPolicy for SmgCacheAwareHttp {
         let h = healthy(view);
         let keys = req.page_keys;
         let depth = self.tree.overlaps(keys, now);
+        // SMG reads its polled reports for this, not its own in-flight counts.
         let overloaded = |w: usize| {
             view[w]
                 .snapshot
                 .as_ref()
-                .is_some_and(|s| s.waiting_requests >= SMG_OVERLOAD_WAITING || s.kv_usage >= SMG_OVERLOAD_KV_USAGE)
+                .is_some_and(|s| cache_aware::over_smg_overload_thresholds(s.waiting_requests, s.kv_usage))
         };
         let eligible_depth = |w: usize| if overloaded(w) { 0 } else { depth[w] };
         let best = h.iter().map(|&w| eligible_depth(w)).max().unwrap_or(0);

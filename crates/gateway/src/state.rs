@@ -5,9 +5,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
-use kvgate_core::{Decision, KvState, Router, WorkerConfig, WorkerId};
+use kvgate_core::{Decision, KvState, RequestId, Router, WorkerConfig, WorkerId};
 use parking_lot::{Mutex, RwLock};
-use rand::SeedableRng;
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
@@ -80,6 +80,9 @@ pub struct AppState {
     pub decisions: Mutex<VecDeque<LoggedDecision>>,
     /// Next request id.
     pub next_request: AtomicU64,
+    /// This process's own random tag, in every request id kvgate gives an engine
+    /// ([`AppState::engine_request_id`]).
+    pub request_tag: String,
     /// Requests waiting for capacity (bounded queueing).
     pub queued: AtomicUsize,
     /// Woken when capacity may have appeared (a request released its reservation, an engine came
@@ -104,6 +107,15 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
+    /// The id an engine is given for request `id` (`x-request-id` to an HTTP engine, the request id
+    /// of a gRPC call): `kvgate-<tag>-<id>`, where `id` is the one `x-kvgate-request-id` and the
+    /// decision log show. The tag is drawn at start so that no other kvgate process, a replica or
+    /// this one restarted, gives an engine the same id: SGLang's gRPC servicer forgets a finished
+    /// request's id 5 s after it ends, taking with it a new request of that id (which then never
+    /// answers), and vLLM aborts every request of the id it is asked to abort.
+    pub fn engine_request_id(&self, id: RequestId) -> String {
+        format!("kvgate-{}-{}", self.request_tag, id.0)
+    }
     /// Builds the state (no background tasks yet: [`crate::serve`] starts them).
     pub fn new(config: GatewayConfig) -> Result<Arc<Self>, GatewayError> {
         let router =
@@ -132,7 +144,8 @@ impl AppState {
         let clock = Clock::start();
         let metrics = Arc::new(Metrics::new());
         let replicas = Arc::new(Replicas::new(config.replicas.clone(), metrics.replicas.clone()));
-        let seed = crate::clock::entropy();
+        let mut rng = ChaCha8Rng::seed_from_u64(crate::clock::entropy());
+        let request_tag = format!("{:012x}", rng.next_u64() >> 16);
         let state = Arc::new(AppState {
             runtime: RwLock::new(Runtime { admission_wait_s: config.admission_wait_s }),
             router: Arc::new(router),
@@ -145,10 +158,11 @@ impl AppState {
             replicas,
             decisions: Mutex::new(VecDeque::new()),
             next_request: AtomicU64::new(1),
+            request_tag,
             queued: AtomicUsize::new(0),
             capacity: Arc::new(tokio::sync::Notify::new()),
             body_budget: Arc::new(tokio::sync::Semaphore::new(config.limits.max_buffered_body_bytes.div_ceil(1024))),
-            rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
+            rng: Mutex::new(rng),
             discovery: Mutex::new(DiscoveryStatus::default()),
             discovery_reload: Arc::new(tokio::sync::Notify::new()),
             config,
@@ -253,6 +267,29 @@ impl AppState {
         }
         let at_ms = self.clock.now().as_micros() / 1000;
         log.push_back(LoggedDecision { at_ms, endpoint, decision, estimated_prompt_tokens });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvgate_core::RequestId;
+
+    use super::AppState;
+    use crate::config::GatewayConfig;
+
+    /// Two gateway processes (replicas, or one restarted) never give an engine the same request
+    /// id: each id carries its process's own tag beside the request's number.
+    #[tokio::test]
+    async fn engine_request_ids_carry_a_tag_of_their_own_process() {
+        let state = || AppState::new(GatewayConfig::from_toml("").unwrap()).unwrap();
+        let (one, other) = (state(), state());
+        let (a, b) = (one.engine_request_id(RequestId(7)), other.engine_request_id(RequestId(7)));
+        assert_ne!(a, b);
+        for id in [&a, &b] {
+            let tag = id.strip_prefix("kvgate-").and_then(|rest| rest.strip_suffix("-7")).unwrap();
+            assert!(tag.len() == 12 && tag.bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
+        }
+        assert_eq!(one.engine_request_id(RequestId(8)), format!("kvgate-{}-8", one.request_tag));
     }
 }
 

@@ -127,6 +127,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             policy = %state.router.policy().name,
             mode = %state.router.policy().mode,
             tokenizer = %state.tokenizer.describe(),
+            engine_request_ids = %format!("kvgate-{}-N", state.request_tag),
             "kvgate listening"
         );
         kvgate_gateway::serve(listener, state, shutdown_signal()).await?;

@@ -360,7 +360,7 @@ async fn score(
     let inputs = tokenized.map_err(|e| {
         SendFailure::Final(ApiError::InvalidRequest { param: None, message: format!("tokenizing failed: {e}") })
     })?;
-    let request_id = format!("kvgate-{}", flight.id.0);
+    let request_id = state.engine_request_id(flight.id);
     let embedded = embed::embed_each(worker, inputs, &request_id, state.config.request_timeout).await;
     let embeddings = embedded.map_err(|status| worker_failed(state, flight, &status, "Embed"))?;
     engines::request_succeeded(&flight.engine);
@@ -393,7 +393,7 @@ impl Backend for GrpcBackend {
         let served = engine.models.lock().first().cloned().unwrap_or_default();
         if request.endpoint == Endpoint::Embeddings {
             let ask = EmbedAsk::from_request(&body, &served).map_err(SendFailure::Final)?;
-            let request_id = format!("kvgate-{}", flight.id.0);
+            let request_id = state.engine_request_id(flight.id);
             let embedded = embed::embed_all(worker, request.parsed, &request_id, state.config.request_timeout).await;
             let embeddings = embedded.map_err(|status| worker_failed(state, flight, &status, "Embed"))?;
             engines::request_succeeded(&engine);
@@ -496,7 +496,7 @@ impl Backend for GrpcBackend {
                 ids: is_generate.then(Vec::new),
             });
         }
-        let request_id = format!("kvgate-{}", flight.id.0);
+        let request_id = state.engine_request_id(flight.id);
         let generation = Generation {
             request_id: request_id.clone(),
             input_ids: prompt.clone(),
@@ -510,7 +510,7 @@ impl Backend for GrpcBackend {
         engines::request_succeeded(&engine);
         let prefix = if plan.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let head = ResponseHead {
-            id: format!("{prefix}-kvgate-{}", flight.id.0),
+            id: format!("{prefix}-{request_id}"),
             created: unix_now(),
             model: plan.model.clone(),
             endpoint: plan.endpoint,
@@ -518,7 +518,7 @@ impl Backend for GrpcBackend {
         let sglang = worker.known_runtime() == Some(GrpcRuntime::Sglang);
         let responses = plan.responses.take().map(|echo| {
             // SGLang's server ends a stream cut by the output limit with `response.incomplete`.
-            ResponsesShape::new(&format!("kvgate-{}", flight.id.0), head.created, plan.model.clone(), echo, sglang)
+            ResponsesShape::new(&request_id, head.created, plan.model.clone(), echo, sglang)
         });
         let generate = is_generate.then(|| {
             let rid = body.get("rid").and_then(Value::as_str).map_or_else(|| request_id.clone(), str::to_owned);

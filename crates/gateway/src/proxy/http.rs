@@ -49,7 +49,7 @@ impl Backend for HttpBackend {
             .http
             .post(url)
             .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", flight.id.0.to_string())
+            .header("x-request-id", state.engine_request_id(flight.id))
             .body(request.body.clone())
             .send()
             .await;

@@ -13,7 +13,7 @@
 //! - `b`: connects its KV-event socket to kvgate (`tcp://127.0.0.1:P`); 8 MiB of KV.
 //! - `c`: binds; 1 MiB of KV (2,048 tokens, 64 blocks), small enough to queue and evict.
 //! - `g`: the same runtime served as a gRPC worker (SMG's worker protocol, `smg-grpc-servicer`); 8 MiB
-//!   of KV. Only the gRPC trials route to it.
+//!   of KV. Only the gRPC trials route to it (one of them beside `c`).
 //! - on the SGLang fleet also `v`, a vLLM engine (8 MiB) for the mixed-fleet trial.
 //! - for the embeddings trial only, `eh` and `eg`: the model served as an embedding model by the
 //!   engine's own server and as a gRPC worker, started and stopped by that trial.
@@ -36,6 +36,7 @@ mod real {
     pub mod demo;
     pub mod embed;
     pub mod grpc;
+    pub mod grpc_fleet;
     pub mod mixed;
     pub mod occupancy;
     pub mod pacing;
@@ -105,6 +106,9 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
         real::grpc::a_grpc_workers_events_earn_credit_and_a_gone_client_aborts_its_request,
         real::embed::a_grpc_embedding_worker_answers_as_the_engines_own_server_does,
         real::smg::smg_in_grpc_mode_answers_as_kvgate_does_but_where_it_departs_from_the_engine,
+        real::grpc_fleet::a_burst_spreads_from_an_http_owner_to_a_grpc_peer_that_becomes_an_owner,
+        // Kills and restarts g: after every other trial of it.
+        real::grpc_fleet::a_grpc_worker_evicts_and_killed_mid_stream_is_rebuilt_from_a_new_subscription,
     ]);
     list.extend(trials![real::restart::an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_from_zero]);
     if runtime == Runtime::Sglang {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use kvgate_real_engines::fleet::Fleet;
+use kvgate_real_engines::fleet::{Engine, Fleet};
 use kvgate_real_engines::gateway::{engine_metric, http, post, test_overrides, Gateway};
 use kvgate_real_engines::text;
 use serde_json::Value;
@@ -44,48 +44,10 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     }
 
     // A burst of 24 at once: c holds 2,048 tokens of KV, so most would queue there.
-    gw.wait_idle("c").await?;
-    let peak_waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let watcher = {
-        let (url, peak, waiting) = (c.url(), peak_waiting.clone(), c.spec.runtime.waiting_metric());
-        tokio::spawn(async move {
-            loop {
-                if let Ok(w) = engine_metric(&url, waiting).await {
-                    peak.fetch_max(w as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    let burst: Vec<_> = (0..24)
-        .map(|i| {
-            // Each needs about 9 blocks of its own besides the shared prefix: c fits 4 at a time.
-            let mut body = chat(&system, &text(&format!("burst question {i}"), 60));
-            body["max_tokens"] = 128.into();
-            body["ignore_eos"] = true.into();
-            let url = gw.url.clone();
-            tokio::spawn(async move {
-                let r = http().post(format!("{url}/v1/chat/completions")).json(&body).send().await?;
-                anyhow::Ok(r.status())
-            })
-        })
-        .collect();
-    for r in burst {
-        let status = r.await??;
-        ensure!(status.is_success(), "a burst request failed with {status}");
-    }
-    watcher.abort();
-    let log: Value = http().get(format!("{}/admin/decisions?limit=24", gw.url)).send().await?.json().await?;
-    let mut served: BTreeMap<String, u32> = BTreeMap::new();
-    for d in log["decisions"].as_array().into_iter().flatten() {
-        *served.entry(d["decision"]["worker"].as_str().unwrap_or("?").to_owned()).or_default() += 1;
-    }
+    let (served, peak) = burst(&gw, c, &system).await?;
+    eprintln!("    burst of 24: {served:?}; c's own peak waiting queue {peak}");
     let on_owner = served.get("c").copied().unwrap_or(0);
     let on_peers = served.get("a").copied().unwrap_or(0) + served.get("b").copied().unwrap_or(0);
-    eprintln!(
-        "    burst of 24: {served:?}; c's own peak waiting queue {}",
-        peak_waiting.load(std::sync::atomic::Ordering::Relaxed)
-    );
     ensure!(on_owner >= 1, "the owner got none of the burst: {served:?}");
     ensure!(on_peers >= 8, "the burst stayed on the owner: {served:?}");
 
@@ -100,6 +62,48 @@ pub async fn a_prefix_follows_its_idle_owner_and_a_burst_spreads_to_peers_that_b
     }
     gw.stop().await;
     Ok(())
+}
+
+/// Sends a burst of 24 chats holding `system` at once through `gw`, each needing about 9 blocks of
+/// its own besides the shared prefix, and returns how many each worker served and the peak waiting
+/// queue of `owner` (an engine with its own HTTP server) meanwhile.
+pub async fn burst(gw: &Gateway, owner: &Engine, system: &str) -> anyhow::Result<(BTreeMap<String, u32>, u64)> {
+    gw.wait_idle(&owner.spec.name).await?;
+    let peak_waiting = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let watcher = {
+        let (url, peak, waiting) = (owner.url(), peak_waiting.clone(), owner.spec.runtime.waiting_metric());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(w) = engine_metric(&url, waiting).await {
+                    peak.fetch_max(w as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let requests: Vec<_> = (0..24)
+        .map(|i| {
+            let mut body = chat(system, &text(&format!("burst question {i}"), 60));
+            body["max_tokens"] = 128.into();
+            body["ignore_eos"] = true.into();
+            let url = gw.url.clone();
+            tokio::spawn(async move {
+                let r = http().post(format!("{url}/v1/chat/completions")).json(&body).send().await?;
+                anyhow::Ok(r.status())
+            })
+        })
+        .collect();
+    for r in requests {
+        let status = r.await??;
+        ensure!(status.is_success(), "a burst request failed with {status}");
+    }
+    watcher.abort();
+    let log: Value = http().get(format!("{}/admin/decisions?limit=24", gw.url)).send().await?.json().await?;
+    let mut served: BTreeMap<String, u32> = BTreeMap::new();
+    for d in log["decisions"].as_array().into_iter().flatten() {
+        *served.entry(d["decision"]["worker"].as_str().unwrap_or("?").to_owned()).or_default() += 1;
+    }
+    Ok((served, peak_waiting.load(std::sync::atomic::Ordering::Relaxed)))
 }
 
 /// Requests each holding a system prompt a real engine holds, sent by `clients` clients one after

@@ -148,9 +148,19 @@ fn strip_billing_header(parts: Vec<Value>) -> Vec<Value> {
         .collect()
 }
 
-fn message(m: &Value, format: ContentFormat) -> Value {
-    let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
-    let mut parts = match m.get("content") {
+/// A message's content as the template sees it: its parts in the OpenAI format, or their texts
+/// joined by newlines in the string format.
+fn content_of(content: Option<&Value>, role: &str, format: ContentFormat) -> Value {
+    let mut parts = match content {
+        // Plain text, nearly every message: the same result as wrapping it as a text part and
+        // unwrapping it again below, with one copy of the text instead of three (a long
+        // conversation's largest cost before its template is rendered).
+        Some(Value::String(s)) if role != "system" || !s.starts_with(BILLING_HEADER) => {
+            return match format {
+                ContentFormat::OpenAi => json!([{"type": "text", "text": s}]),
+                _ => Value::from(s.as_str()),
+            };
+        }
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
         Some(Value::Array(list)) => list.clone(),
@@ -160,10 +170,15 @@ fn message(m: &Value, format: ContentFormat) -> Value {
         parts = strip_billing_header(parts);
     }
     let parsed: Vec<Value> = parts.iter().filter_map(|p| part(p, format)).collect();
-    let content = match format {
+    match format {
         ContentFormat::OpenAi => Value::Array(parsed),
         _ => Value::from(parsed.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n")),
-    };
+    }
+}
+
+fn message(m: &Value, format: ContentFormat) -> Value {
+    let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+    let content = content_of(m.get("content"), role, format);
     let mut out = Map::new();
     out.insert("role".into(), Value::from(role));
     out.insert("content".into(), content);
@@ -359,6 +374,25 @@ pub fn template_kwargs(body: &Value) -> Map<String, Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Plain text content takes a short cut; it must give what the same text as one text part
+    /// gives, in both formats and for every role (a system message's billing header included).
+    #[test]
+    fn plain_text_content_is_what_the_same_text_as_a_part_gives() {
+        let texts = ["", "hello", "two\nlines ", "x-anthropic-billing-header: a\nkept", "x-anthropic-billing-header"];
+        for format in [ContentFormat::String, ContentFormat::OpenAi] {
+            for role in ["system", "user", "assistant", "tool", "developer"] {
+                for text in texts {
+                    let as_part = json!([{"type": "text", "text": text}]);
+                    assert_eq!(
+                        content_of(Some(&Value::from(text)), role, format),
+                        content_of(Some(&as_part), role, format),
+                        "{role} {format:?} {text:?}"
+                    );
+                }
+            }
+        }
+    }
 
     fn conv(messages: Value, format: ContentFormat) -> Value {
         Value::Array(conversation(messages.as_array().unwrap(), format, false))

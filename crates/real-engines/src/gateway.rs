@@ -142,6 +142,15 @@ impl Gateway {
         .await
     }
 
+    /// Waits until `id` is in rotation (healthy) with a synced KV view.
+    pub async fn wait_synced(&self, id: &str, timeout: Duration) -> anyhow::Result<()> {
+        self.wait_for(&format!("{id} in rotation with a synced KV view"), timeout, || async {
+            let w = self.worker(id).await?;
+            Ok(w["healthy"] == true && w["router"]["kv_state"]["state"] == "synced")
+        })
+        .await
+    }
+
     /// Polls `check` every 50 ms until it holds or `timeout` passes.
     pub async fn wait_for<F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> anyhow::Result<()>
     where

@@ -25,11 +25,7 @@ pub async fn a_burst_spreads_from_an_http_owner_to_a_grpc_peer_that_becomes_an_o
     let (c, g) = (fleet.engine("c"), fleet.engine("g"));
     // One fleet of both backends: c over HTTP with its ZMQ events, g over gRPC with its own stream.
     let gw = Gateway::start("", test_overrides(&[c, g])).await?;
-    gw.wait_for("the gRPC worker healthy and synced", Duration::from_secs(60), || async {
-        let w = gw.worker("g").await?;
-        Ok(w["healthy"] == true && w["router"]["kv_state"]["state"] == "synced")
-    })
-    .await?;
+    gw.wait_synced("g", Duration::from_secs(60)).await?;
     let system = text("grpc-burst-system-prompt", 320);
     post(&c.url(), "/v1/chat/completions", &chat(&system, "seed")).await?;
     settled_credit(&gw, &chat(&system, "probe"), "c").await?;
@@ -64,11 +60,7 @@ pub async fn a_grpc_worker_evicts_and_killed_mid_stream_is_rebuilt_from_a_new_su
 ) -> anyhow::Result<()> {
     let g = fleet.engine("g");
     let gw = smg_style_gateway(g).await?;
-    gw.wait_for("the gRPC worker healthy and synced", Duration::from_secs(60), || async {
-        let w = gw.worker("g").await?;
-        Ok(w["healthy"] == true && w["router"]["kv_state"]["state"] == "synced")
-    })
-    .await?;
+    gw.wait_synced("g", Duration::from_secs(60)).await?;
     let capacity = gw.worker("g").await?["engine_kv_capacity_tokens"].as_u64().unwrap_or(0);
     ensure!(capacity == 16_384, "g's KV capacity from GetServerInfo: {capacity} tokens");
 

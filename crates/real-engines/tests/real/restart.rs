@@ -33,11 +33,7 @@ pub async fn an_engine_killed_mid_stream_is_marked_down_and_its_credit_rebuilt_f
 
     a.start()?;
     a.wait_ready(Duration::from_secs(240))?;
-    gw.wait_for("the restarted engine back in rotation, synced", Duration::from_secs(30), || async {
-        let w = gw.worker("a").await?;
-        Ok(w["healthy"] == true && w["router"]["kv_state"]["state"] == "synced")
-    })
-    .await?;
+    gw.wait_synced("a", Duration::from_secs(30)).await?;
     // Same prompt, same block hashes as before the restart; the new process has none of them.
     ensure!(gw.blocks_held("a").await? == 0, "the restarted engine still has blocks in kvgate's index");
     let credit = gw.credit(&cached, "a").await?;

@@ -39,3 +39,9 @@ def runs_count(results_path):
     """Runs of the config run most often in a results file."""
     counts = collections.Counter(json.loads(line)["config"] for line in open(results_path))
     return max(counts.values(), default=0)
+
+
+def quantile(xs, q):
+    """The nearest-rank quantile q of xs, as the incident client computes its own (NaN when empty)."""
+    xs = sorted(xs)
+    return xs[round((len(xs) - 1) * q)] if xs else float("nan")

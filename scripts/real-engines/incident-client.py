@@ -133,6 +133,9 @@ def main():
     ap.add_argument("--per-burst", type=int, default=48)
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--requests-out", help="write one JSON line per request (burst, index, client, sent_s from the burst's start, ttft_s, e2e_s)"
+    )
     a = ap.parse_args()
     ports = [int(p) for p in a.ports.split(",")]
     if a.transport == "grpc":
@@ -163,6 +166,7 @@ def main():
     owner = max(range(len(ports)), key=lambda i: finished()[i] - before[i])
 
     ttft, e2e, failures = [], [], []
+    records = []
     served = [0] * len(ports)
     peak = [0.0] * len(ports)
     owner_shares = []
@@ -185,14 +189,19 @@ def main():
         sampler = threading.Thread(target=sample)
         sampler.start()
         lock = threading.Lock()
+        burst_start = time.perf_counter()
 
         def client(k):
             nonlocal prompt_tokens, cached_tokens
             for j in range(k, a.per_burst, a.clients):
                 try:
                     usage = {}
+                    sent = time.perf_counter() - burst_start
                     first, whole = send(a.router, prefix + f"question {burst}.{j}: " + questions[j], a.output, True, usage)
                     with lock:
+                        records.append(
+                            {"burst": burst, "index": j, "client": k, "sent_s": sent, "ttft_s": first, "e2e_s": whole}
+                        )
                         ttft.append(first)
                         e2e.append(whole)
                         slowest[burst] = max(slowest[burst], first)
@@ -219,6 +228,10 @@ def main():
     def ms(seconds):
         return None if seconds is None else round(seconds * 1000, 1)
 
+    if a.requests_out:
+        with open(a.requests_out, "w") as out:
+            for r in sorted(records, key=lambda r: (r["burst"], r["index"])):
+                out.write(json.dumps(r) + "\n")
     total = max(1.0, sum(served))
     print(
         json.dumps(

@@ -9,8 +9,10 @@
 # engines: its own tree of what it sent, guards on) and `cache_aware` (guards off), with the bench's
 # router settings. Prints
 # both side by side: TTFT p50/p90/p99, end-to-end p50, the engines' hit rate, each engine's share,
-# peak waiting queue and preemptions (the owner first), with the simulator's error. Not part of
-# CI; results go in docs/simulator-fidelity.md.
+# peak waiting queue and preemptions (the owner first), with the simulator's error; then TTFT p50
+# and p90 by wave (each client's k-th request of a burst) from the client's and the simulator's
+# per-request records, and the share of requests over 2 s. Not part of CI; results go in
+# docs/simulator-fidelity.md.
 #
 # Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS] [CONFIGS]
 #   as incident.sh (defaults 4, 1; CONFIGS of kvgate-enforce, kvgate-off, smg-cache_aware and
@@ -65,7 +67,7 @@ target/release/kvgate sim --scenario incident-bursts --workers "$engines" --prof
   --prefix-tokens "$prefix_tokens" --question-tokens "$question_tokens" --output-tokens "$output" \
   --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" \
   --compare projected:enforce,projected:off,smg_cache_aware_http,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
-  --admission-wait-s 0 --format json > "$work/sim.json"
+  --admission-wait-s 0 --format json --per-request > "$work/sim.json"
 
 python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "$scale" "$prefix_tokens" "$question_tokens" <<'PY'
 import sys
@@ -103,4 +105,38 @@ for real_name, sim_name, found in pairs(results, sim_path, names):
     print(f"| {sim_name} | sim | {' | '.join(f'{x:.0f}' for x in sl)} | {shit:.3f} | {fmt(sshare)} | {fmt(speak, '{:.0f}')} | {spre} |")
     share_pts = max(abs(a - b) for a, b in zip(rshare, sshare)) * 100
     print(f"| | error | {' | '.join(error(a, b) for a, b in zip(rl, sl))} | {shit - rhit:+.3f} | {share_pts:.0f} points at most | | |")
+PY
+
+# The same TTFTs by wave: a burst's first `clients` requests leave together, each later one when its
+# client's previous answer is complete (from the client's per-request records).
+python3 - "$work" "$work/sim.json" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
+import glob, json, sys
+sys.path.insert(0, "scripts/real-engines")
+from fidelity_common import error, quantile
+work, sim_path, clients, per_burst = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+runs = {f"{r['policy']}:{r['mode']}" if r.get("mode") else r["policy"]: r for r in json.load(open(sim_path))["runs"]}
+names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
+         ("smg-cache_aware", "smg_cache_aware_http"), ("smg-cache_aware-unguarded", "cache_aware")]
+waves = (per_burst + clients - 1) // clients
+print("\nTTFT by wave (wave k: each client's request k of a burst), p50 / p90 in ms, real (all runs' requests) "
+      "against sim; and the share of requests whose TTFT is over 2 s\n")
+print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s |")
+print("|---|" + "---|" * (waves + 1))
+for real_name, sim_name in names:
+    files = sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
+    if not files or sim_name not in runs:
+        continue
+    real = [json.loads(line) for f in files for line in open(f)]
+    real_by = [[r["ttft_s"] for r in real if r["index"] // clients == k and r["ttft_s"] is not None] for k in range(waves)]
+    rows = runs[sim_name].get("per_request", [])
+    sim_by = [[r["ttft_s"] for r in rows if (r["index"] - 1) % per_burst // clients == k and r["ttft_s"] is not None]
+              for k in range(waves)]
+    cells = []
+    for rb, sb in zip(real_by, sim_by):
+        rp, sp = [quantile(rb, q) * 1000 for q in (0.5, 0.9)], [quantile(sb, q) * 1000 for q in (0.5, 0.9)]
+        cells.append(f"{rp[0]:.0f} / {rp[1]:.0f} real, {sp[0]:.0f} / {sp[1]:.0f} sim ({error(rp[0], sp[0])} / {error(rp[1], sp[1])})")
+    slow = lambda xs: sum(x > 2 for x in xs) / max(1, len(xs))
+    all_real = [x for b in real_by for x in b]
+    all_sim = [x for b in sim_by for x in b]
+    print(f"| {real_name} | " + " | ".join(cells) + f" | {slow(all_real):.1%} real, {slow(all_sim):.1%} sim |")
 PY

@@ -5,7 +5,8 @@
 # the owner's share of each burst, each engine's share and peak waiting queue (from its own
 # /metrics), the engines' prefix-cache hit rate and their preemptions; after each SMG run, SMG's own
 # counters of its choices (cache-aware branches, overload vetoes, the loads it polled) go to
-# WORK/smg-metrics-CONFIG-ROUND.txt. Not part of CI; results go in docs/benchmarks-incident.md.
+# WORK/smg-metrics-CONFIG-ROUND.txt, and each request's send time and latencies to
+# WORK/CONFIG-ROUND.requests.jsonl. Not part of CI; results go in docs/benchmarks-incident.md.
 #
 # Usage: scripts/real-engines/incident.sh [ENGINES] [REPEATS] [CONFIGS]
 #   ENGINES  engines (default 4; about 3 GB each), each with KV_TOKENS of KV (default 8192: the
@@ -47,6 +48,7 @@ fi
 
 results="$work/results.jsonl"
 : > "$results"
+rm -f "$work"/*.requests.jsonl
 # One run: the incident client's bursts through the router, and the engines' counters.
 bursts_once() {
   local cfg="$1" rep="$2"
@@ -54,7 +56,8 @@ bursts_once() {
   preempted0=$(fleet_preemptions)
   outcome=$("$client_python" scripts/real-engines/incident-client.py --router "http://127.0.0.1:$router_port" --ports "$ports" \
     "${gauges[@]}" --prefix-words "${PREFIX_WORDS:-700}" --question-words "${QUESTION_WORDS:-250}" \
-    --output "${OUTPUT:-128}" --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" --seed "$rep")
+    --output "${OUTPUT:-128}" --clients "${CLIENTS:-16}" --per-burst "${PER_BURST:-48}" --bursts "${BURSTS:-6}" --seed "$rep" \
+    --requests-out "$work/$cfg-$rep.requests.jsonl")
   read -r hits1 queries1 < <(fleet_cache)
   preempted1=$(fleet_preemptions)
   python3 - "$outcome" "$cfg" "$rep" "$((hits1 - hits0))" "$((queries1 - queries0))" "$preempted0" "$preempted1" >> "$results" <<'PY'

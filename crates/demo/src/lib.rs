@@ -354,6 +354,7 @@ pub async fn run_one_on(
             credit_while_untrusted: 0,
         },
         timeline: if cfg.timeline { samples } else { Vec::new() },
+        per_request: Vec::new(),
     })
 }
 

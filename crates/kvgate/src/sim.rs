@@ -60,6 +60,10 @@ pub struct SimArgs {
     /// Write per-engine queue depth over time and TTFT percentiles per policy to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// List every measured request (arrival, engine, TTFT, end to end, cached tokens) in each
+    /// JSON report's `per_request`, to compare a run with a real one request by request.
+    #[arg(long)]
+    per_request: bool,
     /// Engines in the fleet (scenario default: 51 for hot-prefix-51, 16 otherwise).
     #[arg(long)]
     workers: Option<usize>,
@@ -397,6 +401,7 @@ fn configure(a: &SimArgs, profile: &EngineProfile, knobs: &PolicyConfig, spec: P
         ..Default::default()
     });
     cfg.timeline = a.plot.as_ref().map(|_| Duration::from_secs(1));
+    cfg.per_request = a.per_request;
     cfg
 }
 
@@ -412,6 +417,7 @@ fn run_matrix(a: &SimArgs, names: &[String], profile: &EngineProfile, knobs: &Po
         ("--spread-ticks", a.spread_ticks),
         ("--fault", !a.faults.is_empty()),
         ("--plot", a.plot.is_some()),
+        ("--per-request", a.per_request),
         ("--mode", a.mode.is_some()),
     ];
     let burst_flag = a.bursts.first_given().map(|flag| (flag, true));
@@ -506,6 +512,9 @@ pub fn run(a: SimArgs) -> anyhow::Result<()> {
     }
     if a.format == Format::Markdown {
         bail!("--format markdown is the matrix's format: add --matrix, or use table or json");
+    }
+    if a.per_request && a.format != Format::Json {
+        bail!("--per-request lists requests in the JSON report: add --format json");
     }
     let mut workload = load_workload(&a).context("cannot build the workload")?;
     if a.spread_ticks {

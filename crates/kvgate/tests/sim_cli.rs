@@ -102,6 +102,8 @@ fn bad_flags_are_rejected_with_a_message() {
         ),
         (vec!["sim", "--scenario", "incident-bursts", "--rate", "5"], "--rate does not apply"),
         (vec!["sim", "--scenario", "incident-bursts", "--per-burst", "0"], "--per-burst must be at least 1"),
+        (vec!["sim", "--per-request"], "--per-request lists requests in the JSON report"),
+        (vec!["sim", "--matrix", "--per-request"], "--per-request does not combine with --matrix"),
     ] {
         let out = kvgate(&args);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -190,4 +192,9 @@ fn incident_bursts_replay_the_benchs_closed_loop_clients() {
         assert_eq!(run["workers"].as_array().map(Vec::len), Some(4), "four engines by default: {run}");
     }
     assert_eq!(runs[0]["hot_prefix"]["owner_share"], 1.0, "cache_aware pins the prefix: {}", runs[0]);
+    assert!(runs[0].get("per_request").is_none(), "listed only with --per-request: {}", runs[0]);
+    let listed = ok_json(&[&args[..], &["--format", "json", "--per-request"]].concat());
+    let rows = listed["per_request"].as_array().unwrap();
+    assert_eq!(rows.len(), 32, "every measured request: {listed}");
+    assert!(rows.iter().all(|r| r["ttft_s"].as_f64().is_some() && r["worker"].as_u64().is_some()), "{listed}");
 }

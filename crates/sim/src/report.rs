@@ -57,6 +57,7 @@ pub struct Recorder {
     restarts: u64,
     credit_while_untrusted: u64,
     timeline: Vec<(f64, Vec<u32>)>,
+    keep_requests: bool,
 }
 
 impl Recorder {
@@ -86,7 +87,14 @@ impl Recorder {
             restarts: 0,
             credit_while_untrusted: 0,
             timeline: Vec::new(),
+            keep_requests: false,
         }
+    }
+
+    /// Also lists every measured request in the report ([`Report::per_request`]).
+    pub fn keeping_requests(mut self, keep: bool) -> Self {
+        self.keep_requests = keep;
+        self
     }
 
     /// Whether every measured request has ended.
@@ -207,6 +215,25 @@ impl Recorder {
             }
             _ => 0.0,
         };
+        let per_request = if self.keep_requests {
+            measured
+                .iter()
+                .map(|&i| {
+                    let r = &self.records[i];
+                    RequestRow {
+                        index: i,
+                        arrival_s: round(self.arrivals[i].as_micros() as f64 / 1e6),
+                        worker: r.worker,
+                        ttft_s: r.first_token.map(|t| round(secs(self.arrivals[i], t))),
+                        e2e_s: r.finished.map(|t| round(secs(self.arrivals[i], t))),
+                        prompt_tokens: r.prompt_tokens,
+                        cached_tokens: r.cached_tokens,
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Report {
             scenario: self.scenario,
             policy: self.policy,
@@ -249,6 +276,7 @@ impl Recorder {
                 credit_while_untrusted: self.credit_while_untrusted,
             },
             timeline: self.timeline,
+            per_request,
         }
     }
 }
@@ -490,6 +518,29 @@ pub struct Report {
     /// (empty when nothing completed), for the CDF plot.
     #[serde(skip)]
     pub ttft_cdf: Vec<f64>,
+    /// Every measured request, in workload order, when the run was asked to keep them
+    /// (`kvgate sim --per-request`); empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_request: Vec<RequestRow>,
+}
+
+/// One measured request of a run, for comparing a simulated run with a real one request by request.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RequestRow {
+    /// Its index in the workload (warm-up and background requests are not listed).
+    pub index: usize,
+    /// When it arrived at the router, seconds from the run's start.
+    pub arrival_s: f64,
+    /// The engine it was dispatched to; `None` if it never was.
+    pub worker: Option<usize>,
+    /// Time to its first token, seconds; `None` without one.
+    pub ttft_s: Option<f64>,
+    /// Time to its last token, seconds; `None` if it did not complete.
+    pub e2e_s: Option<f64>,
+    /// Its prompt tokens (0 if it did not complete).
+    pub prompt_tokens: u64,
+    /// Prompt tokens its engine had cached (0 if it did not complete).
+    pub cached_tokens: u64,
 }
 
 impl Report {

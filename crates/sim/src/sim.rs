@@ -68,6 +68,8 @@ pub struct SimConfig {
     pub drain: Duration,
     /// Sample per-engine queue depth at this interval for plots (`None`: don't).
     pub timeline: Option<Duration>,
+    /// List every measured request in the report ([`crate::Report::per_request`]).
+    pub per_request: bool,
 }
 
 impl SimConfig {
@@ -92,6 +94,7 @@ impl SimConfig {
             faults: Vec::new(),
             drain: Duration::from_secs(900),
             timeline: None,
+            per_request: false,
         }
     }
 }
@@ -286,7 +289,7 @@ impl<'w> Simulation<'w> {
                 _ => {}
             }
         }
-        let rec = Recorder::new(workload, &cfg.policy, cfg.seed);
+        let rec = Recorder::new(workload, &cfg.policy, cfg.seed).keeping_requests(cfg.per_request);
         Ok(Simulation {
             fleet_block: p.block_size as usize,
             workload,

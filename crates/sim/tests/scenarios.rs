@@ -362,3 +362,27 @@ fn closed_loop_clients_wait_for_their_answers_and_every_burst_is_sent() {
     let peak = |r: &kvgate_sim::report::Report| r.workers.iter().map(|w| w.max_waiting).max().unwrap_or(0);
     assert!(peak(&guarded) < peak(&pinned), "{} against {}", peak(&guarded), peak(&pinned));
 }
+
+#[test]
+fn a_run_asked_for_its_requests_lists_each_measured_one_consistently_with_its_percentiles() {
+    let w = bursts(2, 4, 8, 2);
+    let plain = run(&w, "projected:enforce");
+    assert!(plain.per_request.is_empty(), "listed only when asked");
+    let listed = run_with(&w, "projected:enforce", 1, |c| c.per_request = true);
+    assert_eq!(listed.ttft_s, plain.ttft_s, "listing changes nothing of the run");
+    let rows = &listed.per_request;
+    // The warm-up (index 0) is not measured, so not listed; every burst request is, in order.
+    assert_eq!(rows.iter().map(|r| r.index).collect::<Vec<_>>(), (1..=16).collect::<Vec<_>>());
+    for r in rows {
+        let (ttft, e2e) = (r.ttft_s.unwrap(), r.e2e_s.unwrap());
+        assert!(ttft > 0.0 && ttft <= e2e, "{r:?}");
+        assert!(r.worker.is_some_and(|w| w < 2) && r.cached_tokens <= r.prompt_tokens, "{r:?}");
+    }
+    // A burst's first client requests leave together; each later one after its client's answer.
+    assert!(rows[..4].iter().all(|r| r.arrival_s == rows[0].arrival_s), "{:?}", &rows[..4]);
+    // (Both figures are rounded to 0.1 ms.)
+    assert!(rows[4].arrival_s >= rows[0].arrival_s + rows[0].e2e_s.unwrap() - 2e-4, "{:?}", &rows[..5]);
+    let mut ttfts: Vec<f64> = rows.iter().filter_map(|r| r.ttft_s).collect();
+    ttfts.sort_by(f64::total_cmp);
+    assert_eq!(ttfts[ttfts.len() - 1], listed.ttft_s.p99, "the slowest of 16 is the p99");
+}

@@ -3,7 +3,7 @@
 #
 # The sourcing script sets: engines, kv_tokens, runtime (vllm|sglang), work (its directory under
 # target/), pace (an engine profile, or `off`), pace_scale, and optionally kvgate_toml (the body of
-# kvgate's configuration file) and transport (`http`, the default, or `grpc`: the engines serve SMG's
+# kvgate's configuration file; SMG_LOG_LEVEL in the environment sets SMG's, default warn) and transport (`http`, the default, or `grpc`: the engines serve SMG's
 # gRPC worker protocol and both routers reach them over it, as the incident's fleet did; such
 # engines serve no /metrics, so fleet_cache prints nothing to read and the callers take the hit rate
 # from the responses' usage; fleet_finished counts the requests each servicer's log names, and
@@ -103,11 +103,11 @@ start_router() {
       # matched prefix to its owner, as the incident's fleet saw it.
       target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
         --worker-urls "${urls[@]}" --policy cache_aware --balance-rel-threshold 1000000 \
-        --disable-worker-overload-protection "${smg_grpc[@]}" --log-level warn > "$log" 2>&1 &
+        --disable-worker-overload-protection "${smg_grpc[@]}" --log-level "${SMG_LOG_LEVEL:-warn}" > "$log" 2>&1 &
       ;;
     smg-*)
       target/smg-venv/bin/smg launch --host 127.0.0.1 --port "$router_port" --prometheus-port $((router_port + 1)) \
-        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" "${smg_grpc[@]}" --log-level warn > "$log" 2>&1 &
+        --worker-urls "${urls[@]}" --policy "${cfg#smg-}" "${smg_grpc[@]}" --log-level "${SMG_LOG_LEVEL:-warn}" > "$log" 2>&1 &
       ;;
     *) echo "$0: unknown config $cfg" >&2; exit 2 ;;
   esac

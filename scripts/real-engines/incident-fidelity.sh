@@ -11,7 +11,8 @@
 # both side by side: TTFT p50/p90/p99, end-to-end p50, the engines' hit rate, each engine's share,
 # peak waiting queue and preemptions (the owner first), with the simulator's error; then TTFT p50
 # and p90 by wave (each client's k-th request of a burst) from the client's and the simulator's
-# per-request records, and the share of requests over 2 s. Not part of CI; results go in
+# per-request records, the share of requests over 2 s, and each request's time from its first to
+# its last token (p10 / p50 / p90). Not part of CI; results go in
 # docs/simulator-fidelity.md.
 #
 # Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS] [CONFIGS]
@@ -120,8 +121,8 @@ names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"
 waves = (per_burst + clients - 1) // clients
 print("\nTTFT by wave (wave k: each client's request k of a burst), p50 / p90 in ms, real (all runs' requests) "
       "against sim; and the share of requests whose TTFT is over 2 s\n")
-print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s |")
-print("|---|" + "---|" * (waves + 1))
+print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s | first to last token p10 / p50 / p90 (ms) |")
+print("|---|" + "---|" * (waves + 2))
 for real_name, sim_name in names:
     files = sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
     if not files or sim_name not in runs:
@@ -138,5 +139,10 @@ for real_name, sim_name in names:
     slow = lambda xs: sum(x > 2 for x in xs) / max(1, len(xs))
     all_real = [x for b in real_by for x in b]
     all_sim = [x for b in sim_by for x in b]
-    print(f"| {real_name} | " + " | ".join(cells) + f" | {slow(all_real):.1%} real, {slow(all_sim):.1%} sim |")
+    # The decode's own spread: requests that share an engine's steps drift apart only through it.
+    decode = lambda xs: " / ".join(f"{quantile(xs, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9))
+    real_decode = [r["e2e_s"] - r["ttft_s"] for r in real if r["ttft_s"] is not None and r["e2e_s"] is not None]
+    sim_decode = [r["e2e_s"] - r["ttft_s"] for r in rows if r["ttft_s"] is not None and r["e2e_s"] is not None]
+    print(f"| {real_name} | " + " | ".join(cells) + f" | {slow(all_real):.1%} real, {slow(all_sim):.1%} sim"
+          f" | {decode(real_decode)} real, {decode(sim_decode)} sim |")
 PY

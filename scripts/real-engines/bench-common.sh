@@ -3,7 +3,7 @@
 #
 # The sourcing script sets: engines, kv_tokens, runtime (vllm|sglang), work (its directory under
 # target/), pace (an engine profile, or `off`), pace_scale, and optionally kvgate_toml (the body of
-# kvgate's configuration file; SMG_LOG_LEVEL in the environment sets SMG's, default warn) and transport (`http`, the default, or `grpc`: the engines serve SMG's
+# kvgate's configuration file) and transport (`http`, the default, or `grpc`: the engines serve SMG's
 # gRPC worker protocol and both routers reach them over it, as the incident's fleet did; such
 # engines serve no /metrics, so fleet_cache prints nothing to read and the callers take the hit rate
 # from the responses' usage; fleet_finished counts the requests each servicer's log names, and
@@ -12,7 +12,8 @@
 # waiting_metric, running_metric, finished_metric, preempted_metric), and the functions engine_port,
 # start_fleet, start_router CONFIG LOG, stop_all (also run on exit), fleet_cache, fleet_finished,
 # fleet_preemptions, fleet_counter, sample_queues
-# and for_each_run.
+# and for_each_run. SMG_LOG_LEVEL in the environment sets SMG's log level (default warn; `debug`
+# logs its choice of engine for each request, with that engine's in-flight count).
 
 case "$runtime" in
   vllm)

@@ -70,11 +70,13 @@ target/release/kvgate sim --scenario incident-bursts --workers "$engines" --prof
   --compare projected:enforce,projected:off,smg_cache_aware_http,cache_aware --assumed-decode-tokens "$output" --poll-ms 200 \
   --admission-wait-s 0 --format json --per-request > "$work/sim.json"
 
-python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "$scale" "$prefix_tokens" "$question_tokens" <<'PY'
-import sys
+python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "$scale" "$prefix_tokens" "$question_tokens" \
+  "$work" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
+import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import error, latencies, mean, pairs, runs_count
-results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens = sys.argv[1:9]
+from fidelity_common import error, latencies, mean, pairs, quantile, runs_count
+results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens, work = sys.argv[1:10]
+clients, per_burst = int(sys.argv[10]), int(sys.argv[11])
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
          ("smg-cache_aware", "smg_cache_aware_http"), ("smg-cache_aware-unguarded", "cache_aware")]
 owner_first = lambda xs, owner: [xs[owner]] + [x for i, x in enumerate(xs) if i != owner]
@@ -106,30 +108,22 @@ for real_name, sim_name, found in pairs(results, sim_path, names):
     print(f"| {sim_name} | sim | {' | '.join(f'{x:.0f}' for x in sl)} | {shit:.3f} | {fmt(sshare)} | {fmt(speak, '{:.0f}')} | {spre} |")
     share_pts = max(abs(a - b) for a, b in zip(rshare, sshare)) * 100
     print(f"| | error | {' | '.join(error(a, b) for a, b in zip(rl, sl))} | {shit - rhit:+.3f} | {share_pts:.0f} points at most | | |")
-PY
 
 # The same TTFTs by wave: a burst's first `clients` requests leave together, each later one when its
-# client's previous answer is complete (from the client's per-request records).
-python3 - "$work" "$work/sim.json" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
-import glob, json, sys
-sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import error, quantile
-work, sim_path, clients, per_burst = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-runs = {f"{r['policy']}:{r['mode']}" if r.get("mode") else r["policy"]: r for r in json.load(open(sim_path))["runs"]}
-names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
-         ("smg-cache_aware", "smg_cache_aware_http"), ("smg-cache_aware-unguarded", "cache_aware")]
+# client's previous answer is complete (from the client's and the simulator's per-request records).
 waves = (per_burst + clients - 1) // clients
 print("\nTTFT by wave (wave k: each client's request k of a burst), p50 / p90 in ms, real (all runs' requests) "
       "against sim; and the share of requests whose TTFT is over 2 s\n")
 print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s | first to last token p10 / p50 / p90 (ms) |")
 print("|---|" + "---|" * (waves + 2))
-for real_name, sim_name in names:
+for real_name, sim_name, found in pairs(results, sim_path, names):
     files = sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
-    if not files or sim_name not in runs:
+    if not files or found is None:
         continue
     real = [json.loads(line) for f in files for line in open(f)]
     real_by = [[r["ttft_s"] for r in real if r["index"] // clients == k and r["ttft_s"] is not None] for k in range(waves)]
-    rows = runs[sim_name].get("per_request", [])
+    rows = found[1].get("per_request", [])
+    # The simulator numbers requests over the whole run, from the warm-up at 0; the client within a burst.
     sim_by = [[r["ttft_s"] for r in rows if (r["index"] - 1) % per_burst // clients == k and r["ttft_s"] is not None]
               for k in range(waves)]
     cells = []

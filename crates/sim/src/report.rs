@@ -222,7 +222,7 @@ impl Recorder {
                     let r = &self.records[i];
                     RequestRow {
                         index: i,
-                        arrival_s: round(self.arrivals[i].as_micros() as f64 / 1e6),
+                        arrival_s: round(secs(Timestamp::ZERO, self.arrivals[i])),
                         worker: r.worker,
                         ttft_s: r.first_token.map(|t| round(secs(self.arrivals[i], t))),
                         e2e_s: r.finished.map(|t| round(secs(self.arrivals[i], t))),

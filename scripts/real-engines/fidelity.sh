@@ -32,7 +32,7 @@ fi
 [ -f "$work/results.jsonl" ] && [ -f "$work/slice.jsonl" ] || { echo "fidelity.sh: no bench results in $work" >&2; exit 1; }
 cargo build --release -p kvgate --quiet
 
-scripts/real-engines/sim-profile.sh "$runtime" "$pace" "$scale" "$kv_tokens" "$block" > "$work/sim-profile.json"
+scripts/real-engines/sim-profile.sh "$runtime" "$pace" "$scale" "$kv_tokens" "$block" "$work" > "$work/sim-profile.json"
 target/release/kvgate sim --trace "$work/slice.jsonl" --trace-block-tokens "$block" --workers "$engines" \
   --profile "$work/sim-profile.json" --compare projected:enforce,projected:off,smg_cache_aware_http \
   --assumed-decode-tokens 32 --admission-wait-s 0 --format json > "$work/sim.json"

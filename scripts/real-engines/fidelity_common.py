@@ -45,3 +45,19 @@ def quantile(xs, q):
     """The nearest-rank quantile q of xs, as the incident client computes its own (NaN when empty)."""
     xs = sorted(xs)
     return xs[round((len(xs) - 1) * q)] if xs else float("nan")
+
+
+def step_gaps(paths):
+    """Each busy step's time beyond its target, ms, from pacer logs: the wall time from the previous
+    step's release to this one's, less this step's target (the host's gap between steps plus the
+    step's overrun). Busy: the previous step had sequences decoding, so this one followed at once
+    rather than waiting for a request. A gap over 50 ms is a stall of the host, not its routine."""
+    gaps = []
+    for path in paths:
+        steps = [json.loads(line) for line in open(path)]
+        for before, step in zip(steps, steps[1:]):
+            if before["decode_seqs"] > 0:
+                gap = (step["t"] - before["t"]) * 1000 - step["target_ms"]
+                if gap < 50:
+                    gaps.append(gap)
+    return gaps

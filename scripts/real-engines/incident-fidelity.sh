@@ -39,7 +39,7 @@ if [ -z "${SIM_ONLY:-}" ]; then
 fi
 [ -f "$work/results.jsonl" ] || { echo "incident-fidelity.sh: no incident results in $work" >&2; exit 1; }
 cargo build --release -p kvgate --quiet
-scripts/real-engines/sim-profile.sh "$runtime" "$pace" "$scale" "$kv_tokens" 32 > "$work/sim-profile.json"
+scripts/real-engines/sim-profile.sh "$runtime" "$pace" "$scale" "$kv_tokens" 32 "$work" > "$work/sim-profile.json"
 
 # The requests' token counts on the model's tokenizer: the prefix every request shares (with the
 # words of "question" each one goes on with) and the mean of each one's own rest, as the client

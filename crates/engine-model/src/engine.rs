@@ -253,18 +253,25 @@ impl Engine {
         Some(micros)
     }
 
-    /// SGLang flavour: decodes first, then prefill chunks, then admits queued requests in order
-    /// while the budget lasts and each one's uncached prompt and whole output fit in KV, reserved at
-    /// admission. (SGLang reserves an estimated share of the output and retracts when it runs out;
-    /// reserving it all errs towards smaller batches.)
+    /// SGLang flavour: a prefill step whenever there is prefill to do (a chunk left of a running
+    /// request, then queued requests admitted in order while the budget lasts and each one's
+    /// uncached prompt and whole output fit in KV, reserved at admission), and otherwise a decode
+    /// step of every running request. SGLang does not mix the two unless started with
+    /// `--enable-mixed-chunk` (off by default): its decodes pause while it prefills, as the paced
+    /// engines' step logs show (no step carries both). Mixed, the decodes go first, one budget token
+    /// each, and prefill takes what is left. (SGLang reserves an estimated share of the output and
+    /// retracts when it runs out; reserving it all errs towards smaller batches.)
     fn plan_reserving(&mut self) -> Plan {
         let bs = self.profile.block_size as u64;
         let mut budget = self.profile.chunk_budget as u64;
         let mut plan = Plan::default();
-        for (i, r) in self.running.iter().enumerate() {
-            if r.prefill_left() == 0 && budget > 0 {
-                plan.work.push((i, 1));
-                budget -= 1;
+        let mixed = self.profile.mixes_prefill_and_decode();
+        if mixed {
+            for (i, r) in self.running.iter().enumerate() {
+                if r.prefill_left() == 0 && budget > 0 {
+                    plan.work.push((i, 1));
+                    budget -= 1;
+                }
             }
         }
         for (i, r) in self.running.iter().enumerate() {
@@ -290,6 +297,10 @@ impl Engine {
             }
             let computed = reusable_tokens(matched as u64 * bs, next.prompt_tokens, bs);
             budget -= self.admit_front(matched, computed, need, budget, &mut plan);
+        }
+        if !mixed && plan.work.is_empty() {
+            // Nothing to prefill: every running request has its prompt computed and decodes.
+            plan.work = (0..self.running.len()).map(|i| (i, 1)).collect();
         }
         plan
     }

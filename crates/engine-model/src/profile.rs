@@ -37,8 +37,67 @@ pub struct EngineProfile {
     pub kv_capacity_tokens: u64,
     /// Tokens per KV block (vLLM `block_size`, SGLang `page_size`).
     pub block_size: u32,
-    /// KV-event conventions.
+    /// KV-event conventions, and the scheduler's defaults where the engines differ.
     pub flavor: Flavor,
+    /// Whether decodes run in the same step as prefill chunks. `None`: as the flavour's engine does
+    /// by default. vLLM's scheduler always mixes them; SGLang runs a prefill step on its own, pausing
+    /// its decodes, unless started with `--enable-mixed-chunk` (`Some(true)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mixed_chunk: Option<bool>,
+    /// The host's time between two steps (scheduling, sampling, sending tokens), which the step
+    /// costs above leave out. None by default: the documented profiles' costs are whole steps. A
+    /// paced real fleet has it (its pacer logs show it), so the simulator adds it when modelling one.
+    #[serde(default, skip_serializing_if = "StepGap::is_none")]
+    pub step_gap: StepGap,
+}
+
+/// The host's time between two steps, drawn per step from a lognormal fitted to its median and
+/// 90th percentile: the gaps a real engine's pacer log shows are skewed (a median under 1 ms, a
+/// tail of a few ms when the host's CPUs are busy), and a lognormal matches that tail with two
+/// numbers one can read off the log.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepGap {
+    /// The median gap, ms (0: no gap).
+    pub median_ms: f64,
+    /// The 90th-percentile gap, ms (at least the median; equal to it for a fixed gap).
+    pub p90_ms: f64,
+}
+
+/// The standard normal's 90th percentile.
+const Z_P90: f64 = 1.281_551_565_5;
+
+impl StepGap {
+    /// No gap: steps follow each other at once.
+    pub const NONE: StepGap = StepGap { median_ms: 0.0, p90_ms: 0.0 };
+
+    /// Whether there is no gap.
+    pub fn is_none(&self) -> bool {
+        self.median_ms <= 0.0
+    }
+
+    /// What is wrong with these numbers, if anything.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.median_ms.is_finite() && self.median_ms >= 0.0) {
+            return Err(format!("step_gap.median_ms must be 0 or more, not {}", self.median_ms));
+        }
+        if !(self.p90_ms.is_finite() && self.p90_ms >= self.median_ms) {
+            return Err(format!(
+                "step_gap.p90_ms must be at least the median ({}), not {}",
+                self.median_ms, self.p90_ms
+            ));
+        }
+        Ok(())
+    }
+
+    /// The gap in microseconds at `z`, a draw of the standard normal (the caller owns the
+    /// randomness): the median at `z = 0`, the 90th percentile at `z ≈ 1.28`.
+    pub fn micros(&self, z: f64) -> u64 {
+        if self.is_none() {
+            return 0;
+        }
+        let sigma = (self.p90_ms / self.median_ms).ln() / Z_P90;
+        (self.median_ms * (sigma * z).exp() * 1000.0).round() as u64
+    }
 }
 
 impl EngineProfile {
@@ -55,6 +114,10 @@ impl EngineProfile {
             kv_capacity_tokens: 500_000,
             block_size: 64,
             flavor: Flavor::Sglang,
+            // The pass model this profile comes from (engine-model.md §4) adds a step's prefill
+            // and decode, as SGLang does with `--enable-mixed-chunk`.
+            mixed_chunk: Some(true),
+            step_gap: StepGap::NONE,
         }
     }
 
@@ -71,6 +134,8 @@ impl EngineProfile {
             kv_capacity_tokens: 400_000,
             block_size: 16,
             flavor: Flavor::Vllm,
+            mixed_chunk: None,
+            step_gap: StepGap::NONE,
         }
     }
 
@@ -81,6 +146,21 @@ impl EngineProfile {
             "llama3-8b-h100" | "b" | "B" => Some(Self::llama3_8b_h100()),
             _ => None,
         }
+    }
+
+    /// Whether decodes run in the same step as prefill chunks ([`EngineProfile::mixed_chunk`]).
+    pub fn mixes_prefill_and_decode(&self) -> bool {
+        self.mixed_chunk.unwrap_or(self.flavor == Flavor::Vllm)
+    }
+
+    /// What is wrong with the scheduling settings, if anything.
+    pub fn check_scheduling(&self) -> Result<(), String> {
+        if self.flavor == Flavor::Vllm && self.mixed_chunk == Some(false) {
+            return Err(
+                "mixed_chunk false is SGLang's scheduling; vLLM's scheduler always mixes prefill and decode".into()
+            );
+        }
+        self.step_gap.check()
     }
 
     /// Duration of one step in microseconds.
@@ -120,5 +200,35 @@ mod tests {
         // 64 sequences of 4k context: 7 + 1.9 + 11.8 ≈ 21 ms.
         let t = b.step_micros(64, 64 * 4096, 0) as f64 / 1000.0;
         assert!((t - 20.7).abs() < 0.2, "{t}");
+    }
+
+    #[test]
+    fn a_step_gap_has_its_median_and_p90_where_they_were_set() {
+        let gap = StepGap { median_ms: 0.8, p90_ms: 2.4 };
+        assert_eq!(gap.micros(0.0), 800);
+        assert_eq!(gap.micros(Z_P90), 2400);
+        assert!(gap.micros(-3.0) < 800 && gap.micros(3.0) > 2400);
+        assert_eq!(StepGap { median_ms: 1.5, p90_ms: 1.5 }.micros(2.0), 1500, "a fixed gap");
+        assert_eq!(StepGap::NONE.micros(5.0), 0);
+    }
+
+    #[test]
+    fn a_step_gap_names_what_is_wrong_with_it() {
+        assert!(StepGap { median_ms: 0.8, p90_ms: 2.4 }.check().is_ok());
+        assert!(StepGap::NONE.check().is_ok());
+        let low = StepGap { median_ms: 2.0, p90_ms: 1.0 }.check().unwrap_err();
+        assert!(low.contains("p90_ms must be at least the median"), "{low}");
+        let negative = StepGap { median_ms: -1.0, p90_ms: 1.0 }.check().unwrap_err();
+        assert!(negative.contains("median_ms must be 0 or more"), "{negative}");
+        assert!(StepGap { median_ms: f64::NAN, p90_ms: 1.0 }.check().is_err());
+    }
+
+    #[test]
+    fn a_profile_without_a_step_gap_reads_as_none_and_writes_without_one() {
+        let mut json = serde_json::to_value(EngineProfile::llama3_8b_h100()).unwrap();
+        assert!(json.get("step_gap").is_none());
+        json["step_gap"] = serde_json::json!({"median_ms": 0.9, "p90_ms": 3.0});
+        let p: EngineProfile = serde_json::from_value(json).unwrap();
+        assert_eq!(p.step_gap, StepGap { median_ms: 0.9, p90_ms: 3.0 });
     }
 }

@@ -16,6 +16,8 @@ fn small_profile(kv_tokens: u64) -> EngineProfile {
         kv_capacity_tokens: kv_tokens,
         block_size: 16,
         flavor: Flavor::Vllm,
+        mixed_chunk: None,
+        step_gap: crate::StepGap::NONE,
     }
 }
 
@@ -398,4 +400,52 @@ proptest::proptest! {
         proptest::prop_assert_eq!(e.load(Timestamp::ZERO).kv_usage, 0.0);
         proptest::prop_assert_eq!(index.blocks_held(WorkerSlot(0)), e.cached_blocks());
     }
+}
+
+/// Runs `e` until `id` has its first token.
+fn until_first_token(e: &mut Engine, id: RequestId) {
+    while e.begin_step().is_some() {
+        if e.end_step().first_tokens.contains(&id) {
+            return;
+        }
+    }
+    panic!("{id:?} never got its first token");
+}
+
+#[test]
+fn sglang_pauses_its_decodes_while_it_prefills_unless_it_mixes_chunks() {
+    // Request 1 decodes; request 2 arrives with 500 uncached tokens (10,000 tokens/s: 50 ms).
+    for (mixed_chunk, decodes_meanwhile) in [(None, false), (Some(false), false), (Some(true), true)] {
+        let profile = EngineProfile { flavor: Flavor::Sglang, mixed_chunk, ..small_profile(100_000) };
+        let mut e = Engine::new(profile, 1);
+        e.submit(req(1, synthetic_tokens(1, 100), 50));
+        until_first_token(&mut e, RequestId(1));
+        e.submit(req(2, synthetic_tokens(2, 500), 5));
+        let micros = e.begin_step().unwrap();
+        let out = e.end_step();
+        assert_eq!(out.first_tokens, vec![RequestId(2)], "{mixed_chunk:?}: the prefill step gives the first token");
+        assert_eq!(out.decoded.contains(&RequestId(1)), decodes_meanwhile, "{mixed_chunk:?}");
+        // 10 ms a step plus the prefill's 50 ms (a decode costs nothing more in this profile).
+        assert_eq!(micros, 60_000, "{mixed_chunk:?}: the step costs the prefill alone");
+        let micros = e.begin_step().unwrap();
+        let out = e.end_step();
+        assert_eq!(micros, 10_000, "{mixed_chunk:?}: then both decode");
+        assert!(out.decoded.contains(&RequestId(1)) && out.decoded.contains(&RequestId(2)));
+    }
+}
+
+#[test]
+fn vllm_always_mixes_and_a_profile_saying_otherwise_is_refused() {
+    let mut e = Engine::new(small_profile(100_000), 1);
+    e.submit(req(1, synthetic_tokens(1, 100), 50));
+    until_first_token(&mut e, RequestId(1));
+    e.submit(req(2, synthetic_tokens(2, 500), 5));
+    e.begin_step().unwrap();
+    let out = e.end_step();
+    assert!(out.decoded.contains(&RequestId(1)) && out.first_tokens == vec![RequestId(2)]);
+    let refused = EngineProfile { mixed_chunk: Some(false), ..small_profile(640) }.check_scheduling().unwrap_err();
+    assert!(refused.contains("vLLM's scheduler always mixes"), "{refused}");
+    assert!(EngineProfile { mixed_chunk: Some(false), flavor: Flavor::Sglang, ..small_profile(640) }
+        .check_scheduling()
+        .is_ok());
 }

@@ -474,6 +474,9 @@ fn load_profile(name: &str) -> anyhow::Result<EngineProfile> {
     if p.chunk_budget == 0 || p.max_running == 0 || p.kv_capacity_tokens == 0 || p.block_size == 0 {
         bail!("the profile {name}: chunk_budget, max_running, kv_capacity_tokens and block_size must be above 0");
     }
+    if let Err(e) = p.check_scheduling() {
+        bail!("the profile {name}: {e}");
+    }
     Ok(p)
 }
 

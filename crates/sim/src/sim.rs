@@ -12,6 +12,7 @@ use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, Flav
 use kvgate_protocol::KvEvent;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rand_distr::StandardNormal;
 use rustc_hash::FxHashMap;
 
 use crate::bus::{BusMessage, BusModel};
@@ -108,6 +109,8 @@ enum Ev {
         replica: usize,
     },
     StepEnd(usize, u64),
+    /// An engine's host has spent its gap after a step and plans the next one.
+    StepStart(usize, u64),
     Poll(usize),
     /// A batch reaches the router, with the time the engine published it.
     Deliver(usize, EventBatch, Timestamp),
@@ -166,6 +169,8 @@ struct Replica {
 
 /// Mixed into the seed for the staggers' randomness.
 const STAGGER_STREAM: u64 = 0x5374_6167_6765_7221;
+/// Mixed into the seed for the engines' gaps between steps.
+const STEP_GAP_STREAM: u64 = 0x4761_7073_4265_7477;
 
 /// One simulation run.
 pub struct Simulation<'w> {
@@ -178,6 +183,8 @@ pub struct Simulation<'w> {
     /// The staggers' own randomness, so that a run whose replicas never stagger draws exactly what
     /// it drew before staggering existed.
     stagger_rng: ChaCha8Rng,
+    /// The step gaps' own randomness, for the same reason.
+    step_gap_rng: ChaCha8Rng,
     hasher: BlockHasher,
     in_flight: FxHashMap<RequestId, InFlight>,
     rec: Recorder,
@@ -238,6 +245,7 @@ impl<'w> Simulation<'w> {
         if let Some(bus) = &cfg.replica_sync {
             bus.validate().map_err(SimError::Config)?;
         }
+        p.check_scheduling().map_err(|e| SimError::Config(format!("the engine profile: {e}")))?;
         let replicas = (0..cfg.replicas)
             .map(|r| {
                 let mut policy = policy::build(&cfg.policy, &fleet, &cfg.knobs)?;
@@ -298,6 +306,7 @@ impl<'w> Simulation<'w> {
             queue: crate::queue::EventQueue::default(),
             rng,
             stagger_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STAGGER_STREAM),
+            step_gap_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STEP_GAP_STREAM),
             hasher: BlockHasher::new(),
             in_flight: FxHashMap::default(),
             rec,
@@ -391,6 +400,8 @@ impl<'w> Simulation<'w> {
             Ev::Decide { request, replica } => self.route(request, replica, now),
             Ev::StepEnd(w, epoch) if epoch == self.hosts[w].epoch => self.step_end(w, now),
             Ev::StepEnd(..) => {}
+            Ev::StepStart(w, epoch) if epoch == self.hosts[w].epoch => self.start_step(w, now),
+            Ev::StepStart(..) => {}
             Ev::Poll(w) => self.poll(w, now),
             Ev::Deliver(w, batch, published) => self.deliver(w, batch, published, now),
             Ev::ReplayReply(w, from) => self.replay_reply(w, from, now),
@@ -614,7 +625,15 @@ impl<'w> Simulation<'w> {
         if let Some(batch) = batch {
             self.send_batch(w, batch, now);
         }
-        self.start_step(w, now);
+        // A busy engine's host spends its gap before it plans the next step; what arrives meanwhile
+        // joins that plan. An idle engine starts at once when work comes (`submit`).
+        let gap = &self.cfg.profile.step_gap;
+        if gap.is_none() || !self.hosts[w].engine.has_work() {
+            self.start_step(w, now);
+        } else {
+            let micros = gap.micros(self.step_gap_rng.sample(StandardNormal));
+            self.queue.push(Timestamp(now.0 + micros), Ev::StepStart(w, self.hosts[w].epoch));
+        }
     }
 
     fn send_batch(&mut self, w: usize, batch: EventBatch, now: Timestamp) {

@@ -9,13 +9,15 @@
 //!    the request goes to `min_idx` instead.
 //!
 //! **SMG 1.13's guards** (`smg_guards`, on by default in SMG 1.13, as `smg launch --help` describes
-//! them; its source is not public at that version):
+//! them and its source, shipped in the PyPI sdist, implements them: `model_gateway/src/policies/
+//! cache_aware.rs`, `absolute_margin` and `over_count_pressure_gate`):
 //! - *Worker overload protection*: a worker with [`SMG_OVERLOAD_WAITING`] or more waiting requests,
 //!   or KV usage at or above [`SMG_OVERLOAD_KV_USAGE`], is left out while another worker is under
 //!   both; when every worker is over them the request goes to the least loaded.
 //! - *The spill gate's margin is capped* at the in-flight count's natural swing at the fleet's mean
-//!   load: `min(balance_abs, max(4, 2·√mean))`, two standard deviations of a Poisson count, so that a
-//!   small fleet can spill at all (with the default 64, four engines never would).
+//!   load: `min(balance_abs, max(4, ⌈2·√mean⌉))`, two standard deviations of a Poisson count rounded
+//!   up to whole requests, so that a small fleet can spill at all (with the default 64, four engines
+//!   never would).
 //!
 //! **Cap-one distribution seeding** (optional) pins each prefix (keyed by the request's first block)
 //! to one owner, at most one replica per prefix, so that the fleet's KV cache holds as many distinct
@@ -162,7 +164,7 @@ pub fn pick(
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
     let load = candidates[selected].in_flight as f64;
     let margin = if cfg.smg_guards {
-        (cfg.balance_abs as f64).min((2.0 * mean.sqrt()).max(SMG_SWING_FLOOR))
+        (cfg.balance_abs as f64).min((2.0 * mean.sqrt()).ceil().max(SMG_SWING_FLOOR))
     } else {
         cfg.balance_abs as f64
     };
@@ -233,12 +235,17 @@ mod tests {
         assert_eq!(pick(&c, 4, &plain, None, 0), Some(Pick::Affinity(0)));
         let guarded = PolicyConfig { smg_guards: true, ..plain.clone() };
         assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Balance(1)));
-        // Within the swing it stays: 7 is not over 3.25 + 4 (mean 3.25, margin max(4, 3.6)).
+        // Within the swing it stays: 7 is not over 3.25 + 4 (mean 3.25, margin max(4, ⌈3.6⌉)).
         let c = cands(&[(7, 4), (2, 0), (2, 0), (2, 0)]);
         assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Affinity(0)));
         // A balance_abs under the floor is the margin.
         let tight = PolicyConfig { balance_abs: 2, ..guarded.clone() };
         assert_eq!(pick(&c, 4, &tight, None, 0), Some(Pick::Balance(1)));
+        // The swing is whole requests: at a mean of 4.25 the margin is ⌈4.12⌉ = 5, so 9 stays.
+        let c = cands(&[(9, 4), (3, 0), (3, 0), (2, 0)]);
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Affinity(0)));
+        let c = cands(&[(10, 4), (3, 0), (3, 0), (2, 0)]);
+        assert_eq!(pick(&c, 4, &guarded, None, 0), Some(Pick::Balance(3)), "10 is over 4.5 + 5");
     }
 
     #[test]

@@ -393,18 +393,19 @@ mod tests {
         for w in (0..4).filter(|&w| w != owner) {
             view[w].in_flight = 3;
         }
-        // The prefix goes on to its holder however busy, up to the gate: at 9 in flight against 3 on
-        // each peer the mean is 4.5 and the margin max(4, 2·√4.5), so the holder spills the 10th.
-        for tag in 2..=9 {
+        // The prefix goes on to its holder however busy, up to the gate: at 10 in flight against 3
+        // on each peer the mean is 4.75 and the margin max(4, ⌈2·√4.75⌉) = 5, so the holder spills
+        // the 11th (at 9 the margin was ⌈4.24⌉ = 5 too, and 9 is not over 9.5).
+        for tag in 2..=10 {
             assert_eq!(route(&mut policy, &mut view, 8, 2, tag), owner, "request {tag}");
         }
-        assert_eq!(view[owner].in_flight, 9);
-        let spilled = route(&mut policy, &mut view, 8, 2, 10);
+        assert_eq!(view[owner].in_flight, 10);
+        let spilled = route(&mut policy, &mut view, 8, 2, 11);
         assert_ne!(spilled, owner, "over the gate: the least loaded");
         // The spill target was credited the prefix when it was sent it, so it now holds it too, and
         // being its latest holder it takes the next request of the prefix though the owner is free.
         view[owner].in_flight = 0;
-        assert_eq!(route(&mut policy, &mut view, 8, 2, 11), spilled);
+        assert_eq!(route(&mut policy, &mut view, 8, 2, 12), spilled);
     }
 
     #[test]

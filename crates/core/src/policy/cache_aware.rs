@@ -163,13 +163,20 @@ pub fn pick(
 
     let mean = candidates.iter().map(|c| c.in_flight as f64).sum::<f64>() / candidates.len() as f64;
     let load = candidates[selected].in_flight as f64;
+    let gate = over_spill_gate(load, mean, cfg);
+    Some(if gate && !cfg.distribution_seeding { Pick::Balance(min_idx) } else { Pick::Affinity(selected) })
+}
+
+/// Whether a worker with `load` requests in flight is over the balance gate at a fleet mean of
+/// `mean`: over both `mean × balance_rel` and `mean` plus the margin, `balance_abs` (with SMG 1.13's
+/// guards capped at the in-flight count's natural swing, `max(4, ⌈2·√mean⌉)`).
+pub fn over_spill_gate(load: f64, mean: f64, cfg: &PolicyConfig) -> bool {
     let margin = if cfg.smg_guards {
         (cfg.balance_abs as f64).min((2.0 * mean.sqrt()).ceil().max(SMG_SWING_FLOOR))
     } else {
         cfg.balance_abs as f64
     };
-    let gate = load > mean * cfg.balance_rel && load > mean + margin;
-    Some(if gate && !cfg.distribution_seeding { Pick::Balance(min_idx) } else { Pick::Affinity(selected) })
+    load > mean * cfg.balance_rel && load > mean + margin
 }
 
 /// Prefixes pinned by distribution seeding beyond which old pins are forgotten.

@@ -8,11 +8,12 @@
 
 use std::time::Duration;
 
-use kvgate_core::policy::cache_aware::{self, Candidate};
-use kvgate_core::{BlockKey, PolicyConfig, PolicyName, RequestId, Timestamp};
+use kvgate_core::policy::cache_aware;
+use kvgate_core::{BlockKey, LoadSnapshot, PolicyConfig, PolicyName, RequestId, Timestamp};
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use super::smg_wait::SmgLoadBook;
 use super::{argmin_set, healthy, uniform, FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerView};
 
 /// Page size of the approximate trees, in tokens.
@@ -173,8 +174,9 @@ impl SimPolicy for SglangV04 {
 ///
 /// - Workers over SMG's overload thresholds (8 waiting or 0.8 KV usage in the polled report) are
 ///   left out while another is under both.
-/// - A match rate (matched over the prompt's pages) under `cache_threshold` (0.3) goes to the least
-///   loaded worker (SMG scores those by expected wait; in-flight requests stand for it here).
+/// - A match rate (matched over the prompt's pages) not over `cache_threshold` (0.3) is a miss: it
+///   goes to the least expected wait ([`SmgLoadBook`]: SMG's own 10-second poll of each worker's
+///   load, what it sent since, its KV barrier).
 /// - Otherwise the deepest holder, **whatever its load**. Measured on SMG 1.13 (its debug log, two
 ///   workers both holding a 3,600-character prefix): eight concurrent requests of that prefix with
 ///   new endings all went to the one holder that had been sent the first of them (in flight 0 to 7)
@@ -182,14 +184,18 @@ impl SimPolicy for SglangV04 {
 ///   character tree gives a family of requests to the holder that got the family's first one;
 ///   pages of 16 tokens tie there, so the model gives the tie to the holder most recently sent the
 ///   deepest matched page (then a draw).
-/// - The pick then meets SMG's spill gate with its capped margin (`cache_aware::pick`, guards on):
-///   only past it does load move a request, to the least loaded worker.
+/// - The pick then meets SMG's spill gate (`cache_aware::over_spill_gate`, guards on): only past it
+///   does load move a request, to the least expected wait among the workers under the gate.
+///
+/// The gate and the selector are read from SMG 1.13's source (its PyPI sdist:
+/// `model_gateway/src/policies/cache_aware.rs`, `least_load.rs`).
 ///
 /// SMG evicts its tree by size every 120 s; the model forgets by size alone (1M pages per fleet).
 #[derive(Debug)]
 pub struct SmgCacheAwareHttp {
     tree: ApproxIndex,
     cfg: PolicyConfig,
+    loads: SmgLoadBook,
 }
 
 /// SMG 1.13's `cache_threshold`: the match rate under which a request is routed by load alone.
@@ -201,6 +207,7 @@ impl SmgCacheAwareHttp {
         SmgCacheAwareHttp {
             tree: ApproxIndex::new(fleet.workers, Duration::MAX, 1 << 20),
             cfg: PolicyConfig { smg_guards: true, ..PolicyConfig::new(PolicyName::CacheAware) },
+            loads: SmgLoadBook::new(fleet.workers),
         }
     }
 }
@@ -213,7 +220,6 @@ impl SimPolicy for SmgCacheAwareHttp {
         now: Timestamp,
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
-        use rand::Rng;
         let h = healthy(view);
         let keys = req.page_keys;
         let depth = self.tree.overlaps(keys, now);
@@ -224,27 +230,41 @@ impl SimPolicy for SmgCacheAwareHttp {
                 .as_ref()
                 .is_some_and(|s| cache_aware::over_smg_overload_thresholds(s.waiting_requests, s.kv_usage))
         };
-        let eligible_depth = |w: usize| if overloaded(w) { 0 } else { depth[w] };
-        let best = h.iter().map(|&w| eligible_depth(w)).max().unwrap_or(0);
+        let under: Vec<usize> = h.iter().copied().filter(|&w| !overloaded(w)).collect();
+        // Every worker overloaded: the least loaded of them all, as SMG's `--help` says.
+        let eligible = if under.is_empty() { h } else { under };
+        if eligible.is_empty() {
+            return None;
+        }
+        let mean = eligible.iter().map(|&w| view[w].in_flight as f64).sum::<f64>() / eligible.len() as f64;
+        let over_gate = |w: usize| cache_aware::over_spill_gate(view[w].in_flight as f64, mean, &self.cfg);
+        let best = eligible.iter().map(|&w| depth[w]).max().unwrap_or(0);
         let rate = if keys.is_empty() { 0.0 } else { best as f64 / keys.len() as f64 };
-        let deepest: Vec<usize> = h.iter().copied().filter(|&w| best > 0 && eligible_depth(w) == best).collect();
-        let last_page = best.checked_sub(1).and_then(|i| keys.get(i as usize));
-        let latest = |w: usize| last_page.and_then(|k| self.tree.touched(k, w)).unwrap_or_default();
-        let newest = argmin_set(&deepest, |w| std::cmp::Reverse(latest(w)));
-        let drawn = (rate >= SMG_CACHE_THRESHOLD).then(|| uniform(&newest, rng)).flatten();
-        let candidates: Vec<Candidate> = h
-            .iter()
-            .map(|&w| Candidate {
-                in_flight: view[w].in_flight,
-                routed: view[w].routed,
-                overlap_blocks: u32::from(Some(w) == drawn),
-                overloaded: overloaded(w),
-            })
-            .collect();
-        let picked = cache_aware::pick(&candidates, keys.len(), &self.cfg, None, rng.random())?;
-        let w = h[picked.index()];
+        let holder = if best > 0 && rate > SMG_CACHE_THRESHOLD {
+            let deepest: Vec<usize> = eligible.iter().copied().filter(|&w| depth[w] == best).collect();
+            let last_page = &keys[best as usize - 1];
+            let latest = |w: usize| self.tree.touched(last_page, w).unwrap_or_default();
+            uniform(&argmin_set(&deepest, |w| std::cmp::Reverse(latest(w))), rng)
+        } else {
+            None
+        };
+        let w = match holder {
+            Some(w) if !over_gate(w) => w,
+            // A spill: the expected-wait choice among the workers under the gate (all if none is).
+            Some(_) => {
+                let under_gate: Vec<usize> = eligible.iter().copied().filter(|&w| !over_gate(w)).collect();
+                self.loads.select(if under_gate.is_empty() { &eligible } else { &under_gate }, view, rng)?
+            }
+            // A miss: the expected-wait choice among all eligible workers.
+            None => self.loads.select(&eligible, view, rng)?,
+        };
         self.tree.insert(keys, w, now);
+        self.loads.sent(w, now);
         Some(Pick::of(w))
+    }
+
+    fn on_load(&mut self, worker: usize, snapshot: &LoadSnapshot) {
+        self.loads.on_report(worker, snapshot);
     }
 }
 
@@ -419,6 +439,31 @@ mod tests {
         // Two of five (0.4): both hold them; the latest holder wins though it is the busier.
         view[second].in_flight = 5;
         assert_eq!(route(&mut policy, &mut view, 2, 3, 3), second);
+    }
+
+    #[test]
+    fn smg_over_http_sends_misses_and_spills_by_its_stale_poll_not_by_in_flight() {
+        let mut policy = SmgCacheAwareHttp::new(&fleet(3));
+        let mut view = vec![WorkerView { healthy: true, ..WorkerView::default() }; 3];
+        // SMG's 10-second poll saw engine 0 with its KV nearly full and 8 running, engines 1 and 2
+        // with one request each; engine 0 has emptied since, and the router's own view says so.
+        let sample = |kv_usage, running| LoadSnapshot {
+            running_requests: running,
+            kv_usage,
+            observed_at: Timestamp::from_millis(10_000),
+            ..LoadSnapshot::default()
+        };
+        for (w, kv, running) in [(0, 0.79, 8), (1, 0.1, 1), (2, 0.1, 1)] {
+            policy.on_load(w, &sample(kv, running));
+        }
+        view[1].in_flight = 1;
+        view[2].in_flight = 1;
+        // A miss avoids the idle engine 0 for what the poll read (8 × 0.512 s and the KV barrier).
+        let miss = route(&mut policy, &mut view, 0, 8, 10_001);
+        assert_ne!(miss, 0);
+        // Each send is credited until the next poll, so the next miss goes to the other engine.
+        let next = route(&mut policy, &mut view, 0, 8, 10_002);
+        assert!(next != 0 && next != miss, "{miss} then {next}");
     }
 
     #[test]

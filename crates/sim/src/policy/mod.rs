@@ -17,6 +17,7 @@ pub mod approx;
 pub mod core_backed;
 pub mod exact;
 pub mod simple;
+pub mod smg_wait;
 
 use kvgate_core::{
     BatchWindows, BlockKey, HeldReservation, KvState, LoadSnapshot, Mode, PolicyConfig, Reason, ReplicaId, RequestId,

@@ -90,14 +90,23 @@ impl StepGap {
     }
 
     /// The gap in microseconds at `z`, a draw of the standard normal (the caller owns the
-    /// randomness): the median at `z = 0`, the 90th percentile at `z ≈ 1.28`.
+    /// randomness): the median at `z = 0`, the 90th percentile at `z ≈ 1.28`, at most
+    /// [`StepGap::MAX_MICROS`].
     pub fn micros(&self, z: f64) -> u64 {
         if self.is_none() {
             return 0;
         }
         let sigma = (self.p90_ms / self.median_ms).ln() / Z_P90;
-        (self.median_ms * (sigma * z).exp() * 1000.0).round() as u64
+        let micros = (self.median_ms * (sigma * z).exp() * 1000.0).round();
+        if micros.is_finite() {
+            (micros as u64).min(Self::MAX_MICROS)
+        } else {
+            Self::MAX_MICROS
+        }
     }
+
+    /// The longest gap drawn: past a minute a draw is the far tail of a skewed fit, not a host.
+    pub const MAX_MICROS: u64 = 60_000_000;
 }
 
 impl EngineProfile {
@@ -210,6 +219,8 @@ mod tests {
         assert!(gap.micros(-3.0) < 800 && gap.micros(3.0) > 2400);
         assert_eq!(StepGap { median_ms: 1.5, p90_ms: 1.5 }.micros(2.0), 1500, "a fixed gap");
         assert_eq!(StepGap::NONE.micros(5.0), 0);
+        let wild = StepGap { median_ms: 0.001, p90_ms: 1e9 };
+        assert_eq!(wild.micros(40.0), StepGap::MAX_MICROS, "a far draw is capped, not overflowed");
     }
 
     #[test]

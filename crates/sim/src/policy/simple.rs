@@ -8,10 +8,9 @@ use rand_chacha::ChaCha8Rng;
 
 use super::{argmin_set, healthy, uniform, Pick, PolicyRequest, SimPolicy, WorkerView};
 
-/// SMG defaults (code = CLI): λ 0.15 s, p̄ 1024 tokens, T_def 2000 tok/s.
-const LAMBDA_S: f64 = 0.15;
-const P_BAR: f64 = 1024.0;
-const T_DEF: f64 = 2000.0;
+// SMG's defaults (code = CLI): λ 0.15 s, p̄ 1024 tokens, T_def 2000 tok/s, as its cache-aware
+// policy's expected wait uses them.
+use super::smg_wait::{DEFAULT_THROUGHPUT as T_DEF, KV_PRESSURE_WEIGHT_S as LAMBDA_S, MEAN_PREFILL_TOKENS as P_BAR};
 
 /// SMG `least_load` (expected wait) and, on a random pair, `power_of_two`.
 ///

@@ -26,11 +26,11 @@ use super::{uniform, WorkerView};
 /// SMG's default load poll interval.
 pub const SMG_POLL_INTERVAL: Duration = Duration::from_secs(10);
 /// p̄: SMG's per-request token estimate where a request's length is unknown.
-const MEAN_PREFILL_TOKENS: f64 = 1024.0;
+pub(crate) const MEAN_PREFILL_TOKENS: f64 = 1024.0;
 /// T: SMG's drain rate where the engine reports none, tokens per second.
-const DEFAULT_THROUGHPUT: f64 = 2000.0;
+pub(crate) const DEFAULT_THROUGHPUT: f64 = 2000.0;
 /// λ: the weight of SMG's KV-pressure barrier, seconds.
-const KV_PRESSURE_WEIGHT_S: f64 = 0.15;
+pub(crate) const KV_PRESSURE_WEIGHT_S: f64 = 0.15;
 /// Scores closer than this are one tie.
 const TIE_EPSILON_S: f64 = 1e-6;
 

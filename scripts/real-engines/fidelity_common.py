@@ -3,6 +3,7 @@ real router paired with the simulator's model of it, and the latency columns bot
 
 import collections
 import json
+import math
 import statistics
 
 
@@ -61,3 +62,102 @@ def step_gaps(paths):
                 if gap < 50:
                     gaps.append(gap)
     return gaps
+
+
+
+def intake_delays(pace_paths, requests_path, clients):
+    """A burst's first requests on their way to the engines' first steps, from the pacer's logs
+    (each step's start and the requests it first ran, with when the engine queued each) and the
+    incident client's records (when each request left). For each burst and engine, the first step
+    that ran a request of the burst: when it began after the burst's first request left, how many
+    requests it ran, and how long after the earliest of them was queued. And for the burst's first
+    wave (its first `clients` requests, sent together), when the engines queued them after the
+    first left. Times in ms; a dict of lists."""
+    sent = collections.defaultdict(list)
+    for line in open(requests_path):
+        r = json.loads(line)
+        if r.get("sent_at") is not None:
+            sent[r["burst"]].append(r["sent_at"])
+    starts = sorted(min(times) for times in sent.values())
+    out = {"first_step_after_send": [], "first_step_requests": [], "first_step_after_queued": [],
+           "wave0_queued_after_send": [], "first_step_spread": []}
+    engines = [[step for step in map(json.loads, open(path)) if "began_at" in step] for path in pace_paths]
+    for b, start in enumerate(starts):
+        end = starts[b + 1] if b + 1 < len(starts) else float("inf")
+        queued, firsts = [], []
+        for steps in engines:
+            # The steps that ran a request of this burst for the first time.
+            taken = [s for s in steps if start <= s["began_at"] < end
+                     and any(a[1] is not None and a[1] >= start for a in s.get("admitted", []))]
+            queued += [a[1] for s in taken for a in s["admitted"] if a[1] is not None and a[1] >= start]
+            if taken:
+                first = taken[0]
+                firsts.append(first["began_at"])
+                out["first_step_after_send"].append((first["began_at"] - start) * 1000)
+                out["first_step_requests"].append(len(first["admitted"]))
+                earliest = min(a[1] for a in first["admitted"] if a[1] is not None)
+                out["first_step_after_queued"].append((first["began_at"] - earliest) * 1000)
+        out["wave0_queued_after_send"] += [(q - start) * 1000 for q in sorted(queued)[:clients]]
+        if len(firsts) > 1:
+            out["first_step_spread"].append((max(firsts) - min(firsts)) * 1000)
+    return out
+
+
+def intake_intervals(paths):
+    """Each request's intake alone (the time from the engine's API server taking it to its
+    scheduler being able to queue it, the server busy with it only), in ms, as the interval the
+    pacer log bounds it to. The API server takes one request at a time, so a request that came in
+    while an earlier one might still be in it (not queued yet) is left out: its time includes the
+    wait. The scheduler queues what came in between steps: a request queued while the engine sat
+    idle came in just then (an interval of width 0); one queued right after a step came in during
+    that step, so after it began. Only requests with both stamps."""
+    intervals = []
+    for path in paths:
+        # Steps an older pacer logged carry no stamps.
+        steps = [step for step in map(json.loads, open(path)) if "began_at" in step]
+        ends = [(s["t"], s["began_at"]) for s in steps]
+        stamped = [(a[0], a[1]) for s in steps for a in s.get("admitted", [])
+                   if len(a) == 3 and a[0] is not None and a[1] is not None]
+        for arrived, queued in stamped:
+            if any(other < arrived < other_queued for other, other_queued in stamped):
+                continue
+            high = max((queued - arrived) * 1000, 0.0)
+            # The step that ended last before the queueing: the queueing came at its end (within
+            # 2 ms) when the request had come in during it.
+            before = [(t, began) for t, began in ends if t <= queued]
+            low = high
+            if before:
+                t, began = before[-1]
+                if queued - t < 0.002:
+                    low = min(max((began - arrived) * 1000, 0.0), high)
+            intervals.append((low, high))
+    return intervals
+
+
+def fit_lognormal(intervals):
+    """The (median, p90) in ms of the lognormal most likely to have put each value in its
+    [low, high] interval (a point where low = high): a maximum-likelihood fit to interval-censored
+    data, by a coarse grid over the median and the spread and then a finer one around the best (no
+    SciPy on the machines that run this). None when there is nothing to fit."""
+    intervals = [(max(lo, 1e-3), max(hi, 1e-3)) for lo, hi in intervals]
+    if not intervals:
+        return None
+    sqrt2, sqrt2pi = math.sqrt(2.0), math.sqrt(2.0 * math.pi)
+
+    def log_likelihood(mu, sigma):
+        total = 0.0
+        for lo, hi in intervals:
+            if hi - lo < 1e-3:
+                z = (math.log(hi) - mu) / sigma
+                total += -0.5 * z * z - math.log(sigma * hi * sqrt2pi)
+            else:
+                p = 0.5 * (math.erf((math.log(hi) - mu) / (sigma * sqrt2)) - math.erf((math.log(lo) - mu) / (sigma * sqrt2)))
+                total += math.log(max(p, 1e-12))
+        return total
+
+    def best(mus, sigmas):
+        return max(((log_likelihood(m, s), m, s) for m in mus for s in sigmas))[1:]
+
+    mu, sigma = best([math.log(0.1) + i * 0.2 for i in range(50)], [0.05 + i * 0.1 for i in range(30)])
+    mu, sigma = best([mu + (i - 10) * 0.02 for i in range(21)], [max(0.01, sigma + (i - 10) * 0.01) for i in range(21)])
+    return math.exp(mu), math.exp(mu + 1.2815515655 * sigma)

@@ -134,7 +134,7 @@ def main():
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
-        "--requests-out", help="write one JSON line per request (burst, index, client, sent_s from the burst's start, ttft_s, e2e_s)"
+        "--requests-out", help="write one JSON line per request (burst, index, client, sent_s from the burst's start, sent_at wall time, ttft_s, e2e_s)"
     )
     a = ap.parse_args()
     ports = [int(p) for p in a.ports.split(",")]
@@ -197,10 +197,19 @@ def main():
                 try:
                     usage = {}
                     sent = time.perf_counter() - burst_start
+                    sent_at = time.time()
                     first, whole = send(a.router, prefix + f"question {burst}.{j}: " + questions[j], a.output, True, usage)
                     with lock:
                         records.append(
-                            {"burst": burst, "index": j, "client": k, "sent_s": sent, "ttft_s": first, "e2e_s": whole}
+                            {
+                                "burst": burst,
+                                "index": j,
+                                "client": k,
+                                "sent_s": sent,
+                                "sent_at": round(sent_at, 6),
+                                "ttft_s": first,
+                                "e2e_s": whole,
+                            }
                         )
                         ttft.append(first)
                         e2e.append(whole)

@@ -12,7 +12,9 @@
 # peak waiting queue and preemptions (the owner first), with the simulator's error; then TTFT p50
 # and p90 by wave (each client's k-th request of a burst) from the client's and the simulator's
 # per-request records, the share of requests over 2 s, and each request's time from its first to
-# its last token (p10 / p50 / p90). Not part of CI; results go in
+# its last token (p10 / p50 / p90); then, from the real engines' pacer logs and the client's send
+# times, where each burst's spread starts (when the engines queue its first wave, when each
+# engine's first step begins and how many requests it runs). Not part of CI; results go in
 # docs/simulator-fidelity.md.
 #
 # Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS] [CONFIGS]
@@ -74,7 +76,7 @@ python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "
   "$work" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
 import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import error, latencies, mean, pairs, quantile, runs_count
+from fidelity_common import error, intake_delays, latencies, mean, pairs, quantile, runs_count
 results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens, work = sys.argv[1:10]
 clients, per_burst = int(sys.argv[10]), int(sys.argv[11])
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
@@ -139,4 +141,25 @@ for real_name, sim_name, found in pairs(results, sim_path, names):
     sim_decode = [r["e2e_s"] - r["ttft_s"] for r in rows if r["ttft_s"] is not None and r["e2e_s"] is not None]
     print(f"| {real_name} | " + " | ".join(cells) + f" | {slow(all_real):.1%} real, {slow(all_sim):.1%} sim"
           f" | {decode(real_decode)} real, {decode(sim_decode)} sim |")
+
+# Where a burst's spread starts: from the pacer logs (each step's start, the requests it first ran
+# and when the engine queued each) and the client's send times.
+print("\nA burst's first steps, real (ms from the burst's first request leaving; p10 / p50 / p90)\n")
+print("| router | engines queue wave 0 | each engine's first step begins | after its first request was queued | "
+      "engines' first steps apart | requests in a first step (1 / 2 / 3+) |")
+print("|---|---|---|---|---|---|")
+for real_name, _, _ in pairs(results, sim_path, names):
+    paces = sorted(glob.glob(f"{work}/{real_name}-1.pace/e*.pace.jsonl"))
+    sends = f"{work}/{real_name}-1.requests.jsonl"
+    if not paces or not glob.glob(sends):
+        continue
+    d = intake_delays(paces, sends, clients)
+    if not d["first_step_after_send"]:
+        print(f"| {real_name} | no queueing stamps in its pacer logs or send times in its records | | | | |")
+        continue
+    q3 = lambda xs: " / ".join(f"{quantile(xs, q):.0f}" for q in (0.1, 0.5, 0.9))
+    counts = d["first_step_requests"]
+    print(f"| {real_name} | {q3(d['wave0_queued_after_send'])} | {q3(d['first_step_after_send'])} | "
+          f"{q3(d['first_step_after_queued'])} | {q3(d['first_step_spread'])} | "
+          f"{sum(c == 1 for c in counts)} / {sum(c == 2 for c in counts)} / {sum(c >= 3 for c in counts)} |")
 PY

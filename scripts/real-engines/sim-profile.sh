@@ -5,7 +5,10 @@
 # (prefill steps on their own: no --enable-mixed-chunk). With PACE_LOGS (a bench's or incident's
 # work directory), the engines' gap between steps is read from the pacer logs it kept
 # (`*.pace/e*.pace.jsonl`): the median and 90th percentile of each busy step's wall time beyond
-# its target. Prints the profile as JSON, for `kvgate sim --profile`. Used by fidelity.sh and
+# its target; and their intake (from the API server taking a request, before rendering and
+# tokenizing it, to the scheduler being able to queue it), a lognormal fitted to the interval each
+# request's intake is bound to by its stamps and the steps around them
+# (`fidelity_common.intake_intervals`). Prints the profile as JSON, for `kvgate sim --profile`. Used by fidelity.sh and
 # incident-fidelity.sh.
 #
 # Usage: scripts/real-engines/sim-profile.sh RUNTIME PACE SCALE KV_TOKENS BLOCK [PACE_LOGS]
@@ -28,7 +31,7 @@ esac
 target/release/kvgate profile "$pace" --compact | python3 -c '
 import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import quantile, step_gaps
+from fidelity_common import fit_lognormal, intake_intervals, quantile, step_gaps
 scale, budget, running, kv, block, runtime, logs = float(sys.argv[1]), *map(int, sys.argv[2:6]), *sys.argv[6:8]
 p = json.load(sys.stdin)
 for k in ("step_base_ms", "per_seq_ms", "per_kilo_context_ms"):
@@ -40,9 +43,14 @@ p.update(name=f"{name} x {scale:g}, as the paced {runtime} fleet", chunk_budget=
 if runtime == "sglang":
     p["mixed_chunk"] = False
 if logs:
-    gaps = step_gaps(sorted(glob.glob(f"{logs}/*.pace/e*.pace.jsonl")))
+    paths = sorted(glob.glob(f"{logs}/*.pace/e*.pace.jsonl"))
+    gaps = step_gaps(paths)
     if not gaps:
         sys.exit(f"sim-profile.sh: the pacer logs in {logs} have no busy steps")
     median, p90 = quantile(gaps, 0.5), quantile(gaps, 0.9)
     p["step_gap"] = {"median_ms": round(max(median, 0.0), 3), "p90_ms": round(max(p90, median, 0.0), 3)}
+    intake = fit_lognormal(intake_intervals(paths))
+    if intake is None:
+        sys.exit(f"sim-profile.sh: the pacer logs in {logs} have no request with its arrival and queueing stamps")
+    p["intake"] = {"median_ms": round(intake[0], 3), "p90_ms": round(intake[1], 3)}
 print(json.dumps(p))' "$scale" "$budget" "$max_running" "$kv_tokens" "$block" "$runtime" "$pace_logs"

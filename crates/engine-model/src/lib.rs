@@ -19,7 +19,7 @@ pub mod engine;
 pub mod profile;
 
 pub use engine::{Engine, EngineRequest, EventBatch, Finished, StepOutcome};
-pub use profile::{EngineProfile, Flavor, StepGap};
+pub use profile::{EngineProfile, Flavor, HostDelay};
 
 #[cfg(test)]
 mod tests;

@@ -47,51 +47,58 @@ pub struct EngineProfile {
     /// The host's time between two steps (scheduling, sampling, sending tokens), which the step
     /// costs above leave out. None by default: the documented profiles' costs are whole steps. A
     /// paced real fleet has it (its pacer logs show it), so the simulator adds it when modelling one.
-    #[serde(default, skip_serializing_if = "StepGap::is_none")]
-    pub step_gap: StepGap,
+    #[serde(default, skip_serializing_if = "HostDelay::is_none")]
+    pub step_gap: HostDelay,
+    /// The host's time from a request reaching the engine to its scheduler being able to run it
+    /// (the API server rendering and tokenizing the prompt, the hand-over to the scheduler
+    /// process), drawn per request. None by default: the documented profiles leave the host out. A
+    /// paced real fleet on a few shared cores has a long one (its pacer logs show it), and it sets
+    /// which of a burst's requests an idle engine's first step runs.
+    #[serde(default, skip_serializing_if = "HostDelay::is_none")]
+    pub intake: HostDelay,
 }
 
-/// The host's time between two steps, drawn per step from a lognormal fitted to its median and
-/// 90th percentile: the gaps a real engine's pacer log shows are skewed (a median under 1 ms, a
-/// tail of a few ms when the host's CPUs are busy), and a lognormal matches that tail with two
-/// numbers one can read off the log.
+/// A host's delay (between two steps, or before a request reaches the scheduler), drawn each time
+/// from a lognormal fitted to its median and 90th percentile: the delays a real engine's pacer log
+/// shows are skewed (a short median, a long tail when the host's CPUs are busy), and a lognormal
+/// matches that tail with two numbers one can read off the log.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct StepGap {
-    /// The median gap, ms (0: no gap).
+pub struct HostDelay {
+    /// The median delay, ms (0: none).
     pub median_ms: f64,
-    /// The 90th-percentile gap, ms (at least the median; equal to it for a fixed gap).
+    /// The 90th-percentile delay, ms (at least the median; equal to it for a fixed delay).
     pub p90_ms: f64,
 }
 
 /// The standard normal's 90th percentile.
 const Z_P90: f64 = 1.281_551_565_5;
 
-impl StepGap {
-    /// No gap: steps follow each other at once.
-    pub const NONE: StepGap = StepGap { median_ms: 0.0, p90_ms: 0.0 };
+impl HostDelay {
+    /// No delay.
+    pub const NONE: HostDelay = HostDelay { median_ms: 0.0, p90_ms: 0.0 };
 
-    /// Whether there is no gap.
+    /// Whether there is no delay.
     pub fn is_none(&self) -> bool {
         self.median_ms <= 0.0
     }
 
-    /// What is wrong with these numbers, if anything.
-    pub fn check(&self) -> Result<(), String> {
+    /// What is wrong with these numbers, if anything, naming them as the profile's `field`.
+    pub fn check(&self, field: &str) -> Result<(), String> {
         if !(self.median_ms.is_finite() && self.median_ms >= 0.0) {
-            return Err(format!("step_gap.median_ms must be 0 or more, not {}", self.median_ms));
+            return Err(format!("{field}.median_ms must be 0 or more, not {}", self.median_ms));
         }
         if !(self.p90_ms.is_finite() && self.p90_ms >= self.median_ms) {
             return Err(format!(
-                "step_gap.p90_ms must be at least the median ({}), not {}",
+                "{field}.p90_ms must be at least the median ({}), not {}",
                 self.median_ms, self.p90_ms
             ));
         }
         Ok(())
     }
 
-    /// The gap in microseconds at `z`, a draw of the standard normal (the caller owns the
+    /// The delay in microseconds at `z`, a draw of the standard normal (the caller owns the
     /// randomness): the median at `z = 0`, the 90th percentile at `z ≈ 1.28`, at most
-    /// [`StepGap::MAX_MICROS`].
+    /// [`HostDelay::MAX_MICROS`].
     pub fn micros(&self, z: f64) -> u64 {
         if self.is_none() {
             return 0;
@@ -105,7 +112,7 @@ impl StepGap {
         }
     }
 
-    /// The longest gap drawn: past a minute a draw is the far tail of a skewed fit, not a host.
+    /// The longest delay drawn: past a minute a draw is the far tail of a skewed fit, not a host.
     pub const MAX_MICROS: u64 = 60_000_000;
 }
 
@@ -126,7 +133,8 @@ impl EngineProfile {
             // The pass model this profile comes from (engine-model.md §4) adds a step's prefill
             // and decode, as SGLang does with `--enable-mixed-chunk`.
             mixed_chunk: Some(true),
-            step_gap: StepGap::NONE,
+            step_gap: HostDelay::NONE,
+            intake: HostDelay::NONE,
         }
     }
 
@@ -144,7 +152,8 @@ impl EngineProfile {
             block_size: 16,
             flavor: Flavor::Vllm,
             mixed_chunk: None,
-            step_gap: StepGap::NONE,
+            step_gap: HostDelay::NONE,
+            intake: HostDelay::NONE,
         }
     }
 
@@ -169,7 +178,8 @@ impl EngineProfile {
                 "mixed_chunk false is SGLang's scheduling; vLLM's scheduler always mixes prefill and decode".into()
             );
         }
-        self.step_gap.check()
+        self.step_gap.check("step_gap")?;
+        self.intake.check("intake")
     }
 
     /// Duration of one step in microseconds.
@@ -212,34 +222,40 @@ mod tests {
     }
 
     #[test]
-    fn a_step_gap_has_its_median_and_p90_where_they_were_set() {
-        let gap = StepGap { median_ms: 0.8, p90_ms: 2.4 };
+    fn a_host_delay_has_its_median_and_p90_where_they_were_set() {
+        let gap = HostDelay { median_ms: 0.8, p90_ms: 2.4 };
         assert_eq!(gap.micros(0.0), 800);
         assert_eq!(gap.micros(Z_P90), 2400);
         assert!(gap.micros(-3.0) < 800 && gap.micros(3.0) > 2400);
-        assert_eq!(StepGap { median_ms: 1.5, p90_ms: 1.5 }.micros(2.0), 1500, "a fixed gap");
-        assert_eq!(StepGap::NONE.micros(5.0), 0);
-        let wild = StepGap { median_ms: 0.001, p90_ms: 1e9 };
-        assert_eq!(wild.micros(40.0), StepGap::MAX_MICROS, "a far draw is capped, not overflowed");
+        assert_eq!(HostDelay { median_ms: 1.5, p90_ms: 1.5 }.micros(2.0), 1500, "a fixed gap");
+        assert_eq!(HostDelay::NONE.micros(5.0), 0);
+        let wild = HostDelay { median_ms: 0.001, p90_ms: 1e9 };
+        assert_eq!(wild.micros(40.0), HostDelay::MAX_MICROS, "a far draw is capped, not overflowed");
     }
 
     #[test]
-    fn a_step_gap_names_what_is_wrong_with_it() {
-        assert!(StepGap { median_ms: 0.8, p90_ms: 2.4 }.check().is_ok());
-        assert!(StepGap::NONE.check().is_ok());
-        let low = StepGap { median_ms: 2.0, p90_ms: 1.0 }.check().unwrap_err();
-        assert!(low.contains("p90_ms must be at least the median"), "{low}");
-        let negative = StepGap { median_ms: -1.0, p90_ms: 1.0 }.check().unwrap_err();
-        assert!(negative.contains("median_ms must be 0 or more"), "{negative}");
-        assert!(StepGap { median_ms: f64::NAN, p90_ms: 1.0 }.check().is_err());
+    fn a_host_delay_names_what_is_wrong_with_it() {
+        assert!(HostDelay { median_ms: 0.8, p90_ms: 2.4 }.check("step_gap").is_ok());
+        assert!(HostDelay::NONE.check("step_gap").is_ok());
+        let low = HostDelay { median_ms: 2.0, p90_ms: 1.0 }.check("step_gap").unwrap_err();
+        assert!(low.contains("step_gap.p90_ms must be at least the median"), "{low}");
+        let negative = HostDelay { median_ms: -1.0, p90_ms: 1.0 }.check("intake").unwrap_err();
+        assert!(negative.contains("intake.median_ms must be 0 or more"), "{negative}");
+        assert!(HostDelay { median_ms: f64::NAN, p90_ms: 1.0 }.check("intake").is_err());
+        let mut profile = EngineProfile::llama3_8b_h100();
+        profile.intake = HostDelay { median_ms: 20.0, p90_ms: 10.0 };
+        let why = profile.check_scheduling().unwrap_err();
+        assert!(why.contains("intake.p90_ms"), "{why}");
     }
 
     #[test]
-    fn a_profile_without_a_step_gap_reads_as_none_and_writes_without_one() {
+    fn a_profile_without_host_delays_reads_as_none_and_writes_without_them() {
         let mut json = serde_json::to_value(EngineProfile::llama3_8b_h100()).unwrap();
-        assert!(json.get("step_gap").is_none());
+        assert!(json.get("step_gap").is_none() && json.get("intake").is_none());
         json["step_gap"] = serde_json::json!({"median_ms": 0.9, "p90_ms": 3.0});
+        json["intake"] = serde_json::json!({"median_ms": 20.0, "p90_ms": 100.0});
         let p: EngineProfile = serde_json::from_value(json).unwrap();
-        assert_eq!(p.step_gap, StepGap { median_ms: 0.9, p90_ms: 3.0 });
+        assert_eq!(p.step_gap, HostDelay { median_ms: 0.9, p90_ms: 3.0 });
+        assert_eq!(p.intake, HostDelay { median_ms: 20.0, p90_ms: 100.0 });
     }
 }

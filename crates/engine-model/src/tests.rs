@@ -17,7 +17,8 @@ fn small_profile(kv_tokens: u64) -> EngineProfile {
         block_size: 16,
         flavor: Flavor::Vllm,
         mixed_chunk: None,
-        step_gap: crate::StepGap::NONE,
+        step_gap: crate::HostDelay::NONE,
+        intake: crate::HostDelay::NONE,
     }
 }
 

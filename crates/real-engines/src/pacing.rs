@@ -82,6 +82,22 @@ pub struct PacedStep {
     pub compute_ms: f64,
     /// From the step's start to its results' release, ms.
     pub wall_ms: f64,
+    /// The wall time (Unix seconds) the engine began the step.
+    pub began_at: f64,
+    /// The requests whose prompts first ran in this step.
+    pub admitted: Vec<AdmittedRequest>,
+}
+
+/// A request as a paced step first ran its prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmittedRequest {
+    /// The wall time (Unix seconds) the engine's API server took the request, before tokenizing it
+    /// (the pacer carries SGLang's stamp to its scheduler). None where the stamp is missing.
+    pub arrived_at: Option<f64>,
+    /// The wall time the scheduler put it in its waiting queue (which it does between steps).
+    pub queued_at: Option<f64>,
+    /// Its prompt's tokens.
+    pub prompt_tokens: u64,
 }
 
 impl PacedStep {
@@ -97,13 +113,42 @@ impl PacedStep {
             target_ms: ms("target_ms")?,
             compute_ms: ms("compute_ms")?,
             wall_ms: ms("wall_ms")?,
+            began_at: ms("began_at")?,
+            admitted: admitted(&v["admitted"]).with_context(|| format!("a pace log line's admitted: {line}"))?,
         })
+    }
+
+    /// From the scheduler queueing each admitted request to this step's start, seconds.
+    pub fn queued_s(&self) -> impl Iterator<Item = f64> + '_ {
+        self.admitted.iter().filter_map(|a| a.queued_at).map(|at| self.began_at - at)
     }
 
     /// Wall time over target: 1 is exact, above 1 late.
     pub fn lateness(&self) -> f64 {
         self.wall_ms / self.target_ms
     }
+}
+
+/// The `admitted` list of a pace log line: `[arrived, queued, prompt tokens]`, the times null where
+/// the engine kept no stamp.
+fn admitted(v: &Value) -> anyhow::Result<Vec<AdmittedRequest>> {
+    let time = |t: &Value, what: &str| -> anyhow::Result<Option<f64>> {
+        if t.is_null() {
+            Ok(None)
+        } else {
+            Ok(Some(t.as_f64().with_context(|| format!("{what} is not a time: {t}"))?))
+        }
+    };
+    let list = v.as_array().context("not a list")?;
+    list.iter()
+        .map(|entry| {
+            Ok(AdmittedRequest {
+                arrived_at: time(&entry[0], "an arrival")?,
+                queued_at: time(&entry[1], "a queueing")?,
+                prompt_tokens: entry[2].as_u64().context("a prompt's tokens are not a count")?,
+            })
+        })
+        .collect()
 }
 
 /// Every step in a pacer's log file: none yet when the engine has not stepped since it started (the
@@ -121,10 +166,18 @@ mod tests {
 
     #[test]
     fn a_step_line_parses_and_its_lateness_is_wall_over_target() {
-        let line = r#"{"t": 1.5, "runtime": "vllm", "step": 3, "decode_seqs": 4, "decode_context": 2413, "prefill_tokens": 2044, "model_ms": 65.629, "target_ms": 262.516, "compute_ms": 18.461, "wall_ms": 265.141}"#;
+        let line = r#"{"t": 1.5, "runtime": "vllm", "step": 3, "decode_seqs": 4, "decode_context": 2413, "prefill_tokens": 2044, "model_ms": 65.629, "target_ms": 262.516, "compute_ms": 18.461, "wall_ms": 265.141, "began_at": 1.25, "admitted": [[1.1, 1.2, 2044], [null, null, 7]]}"#;
         let step = PacedStep::parse(line).unwrap();
         assert_eq!((step.decode_seqs, step.decode_context, step.prefill_tokens), (4, 2413, 2044));
         assert!((step.lateness() - 1.01).abs() < 1e-3);
+        assert_eq!(step.admitted.len(), 2);
+        assert_eq!(step.admitted[0].arrived_at, Some(1.1));
+        assert_eq!(step.admitted[1], AdmittedRequest { arrived_at: None, queued_at: None, prompt_tokens: 7 });
+        let queued: Vec<f64> = step.queued_s().collect();
+        assert!(queued.len() == 1 && (queued[0] - 0.05).abs() < 1e-9, "{queued:?}");
+        let bad = line.replace("[null, null, 7]", r#"[null, "soon", 7]"#);
+        let why = format!("{:#}", PacedStep::parse(&bad).unwrap_err());
+        assert!(why.contains("admitted") && why.contains("a queueing is not a time"), "{why}");
         assert!(PacedStep::parse(r#"{"decode_seqs": 1}"#).unwrap_err().to_string().contains("decode_context"));
         assert!(PacedStep::parse("not json").is_err());
     }

@@ -111,6 +111,8 @@ enum Ev {
     StepEnd(usize, u64),
     /// An engine's host has spent its gap after a step and plans the next one.
     StepStart(usize, u64),
+    /// A request reaches engine `w`'s scheduler after the host's intake (process generation given).
+    Intake(usize, u64, EngineRequest),
     Poll(usize),
     /// A batch reaches the router, with the time the engine published it.
     Deliver(usize, EventBatch, Timestamp),
@@ -146,6 +148,10 @@ struct Host {
     awaiting_new_events: bool,
     /// When the last live batch was scheduled to reach the router.
     last_delivery: Timestamp,
+    /// Requests sent to the engine that its scheduler has not taken yet ([`EngineProfile::intake`]).
+    in_intake: Vec<RequestId>,
+    /// When the host's intake is done with the last request sent to it: it takes one at a time.
+    intake_free_at: Timestamp,
 }
 
 struct InFlight {
@@ -171,6 +177,8 @@ struct Replica {
 const STAGGER_STREAM: u64 = 0x5374_6167_6765_7221;
 /// Mixed into the seed for the engines' gaps between steps.
 const STEP_GAP_STREAM: u64 = 0x4761_7073_4265_7477;
+/// Mixed into the seed for the engines' intake delays.
+const INTAKE_STREAM: u64 = 0x496e_7461_6b65_4465;
 
 /// One simulation run.
 pub struct Simulation<'w> {
@@ -185,6 +193,8 @@ pub struct Simulation<'w> {
     stagger_rng: ChaCha8Rng,
     /// The step gaps' own randomness, for the same reason.
     step_gap_rng: ChaCha8Rng,
+    /// The intake delays' own randomness, for the same reason.
+    intake_rng: ChaCha8Rng,
     hasher: BlockHasher,
     in_flight: FxHashMap<RequestId, InFlight>,
     rec: Recorder,
@@ -268,6 +278,8 @@ impl<'w> Simulation<'w> {
                 max_waiting: 0,
                 awaiting_new_events: false,
                 last_delivery: Timestamp::ZERO,
+                in_intake: Vec::new(),
+                intake_free_at: Timestamp::ZERO,
             })
             .collect();
         let (mut kv_extra, mut kv_jitter, mut kv_loss, mut replay) = (Duration::ZERO, Duration::ZERO, 0.0, true);
@@ -307,6 +319,7 @@ impl<'w> Simulation<'w> {
             rng,
             stagger_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STAGGER_STREAM),
             step_gap_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STEP_GAP_STREAM),
+            intake_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ INTAKE_STREAM),
             hasher: BlockHasher::new(),
             in_flight: FxHashMap::default(),
             rec,
@@ -402,6 +415,12 @@ impl<'w> Simulation<'w> {
             Ev::StepEnd(..) => {}
             Ev::StepStart(w, epoch) if epoch == self.hosts[w].epoch => self.start_step(w, now),
             Ev::StepStart(..) => {}
+            Ev::Intake(w, epoch, req) if epoch == self.hosts[w].epoch => {
+                self.hosts[w].in_intake.retain(|&id| id != req.id);
+                self.take(w, req, now);
+            }
+            // Sent to a process that has since restarted: failed with its requests then.
+            Ev::Intake(..) => {}
             Ev::Poll(w) => self.poll(w, now),
             Ev::Deliver(w, batch, published) => self.deliver(w, batch, published, now),
             Ev::ReplayReply(w, from) => self.replay_reply(w, from, now),
@@ -580,7 +599,25 @@ impl<'w> Simulation<'w> {
         projected::score(&load, ask, &self.cfg.knobs).queue_s()
     }
 
+    /// A request reaches engine `w`: its scheduler takes it now, or once the host's intake is done
+    /// with it. The intake takes one request at a time, in order (vLLM's API server renders and
+    /// tokenizes on a single worker thread by default), so requests sent together reach the
+    /// scheduler one intake apart.
     fn submit(&mut self, w: usize, req: EngineRequest, now: Timestamp) {
+        let intake = &self.cfg.profile.intake;
+        if intake.is_none() {
+            return self.take(w, req, now);
+        }
+        let micros = intake.micros(self.intake_rng.sample(StandardNormal));
+        let host = &mut self.hosts[w];
+        let ready = Timestamp(host.intake_free_at.max(now).0 + micros);
+        host.intake_free_at = ready;
+        host.in_intake.push(req.id);
+        self.queue.push(ready, Ev::Intake(w, host.epoch, req));
+    }
+
+    /// Engine `w`'s scheduler takes a request; an idle engine starts a step at once.
+    fn take(&mut self, w: usize, req: EngineRequest, now: Timestamp) {
         let host = &mut self.hosts[w];
         host.engine.submit(req);
         host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
@@ -839,8 +876,10 @@ impl<'w> Simulation<'w> {
     }
 
     fn restart(&mut self, w: usize, now: Timestamp) {
-        let failed = self.hosts[w].engine.restart();
+        let mut failed = self.hosts[w].engine.restart();
         let host = &mut self.hosts[w];
+        failed.append(&mut host.in_intake);
+        host.intake_free_at = now;
         host.epoch += 1;
         host.stepping = false;
         // The connections reset at once: the router learns of the restart from the failures, and the

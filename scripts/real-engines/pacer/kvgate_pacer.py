@@ -26,7 +26,14 @@ Configuration, from the environment (`scripts/real-engines/engine.sh` sets it):
 - KVGATE_PACE_PROFILE: the profile as JSON, as `kvgate profile NAME` prints it (needs
   `step_base_ms`, `per_seq_ms`, `per_kilo_context_ms`, `prefill_tokens_per_s`). Pacing is on when set.
 - KVGATE_PACE_SCALE: wall seconds per modeled second (default 1).
-- KVGATE_PACE_LOG: a file that receives one JSON line per step (optional).
+- KVGATE_PACE_LOG: a file that receives one JSON line per step (optional). Besides the batch and its
+  times, a step's line carries `began_at` (the wall time the engine began the step) and `admitted`:
+  for each request whose prompt first runs in this step, `[arrived, queued, prompt tokens]`. Arrived
+  is the wall time the engine's API server took the request, before rendering and tokenizing it
+  (both engines stamp it; SGLang's does not reach its scheduler by itself, see
+  `_carry_sglang_arrival`); queued, when the scheduler put it in its waiting queue, which it does
+  between steps. They measure a request's way from the router to the engine's first step
+  (`fidelity_common.intake_intervals`). Null where a stamp is missing.
 
 `python kvgate_pacer.py step-ms N K C` prints the modeled step time for a batch, unscaled, so tests can
 hold this copy of the formula against the Rust one.
@@ -47,6 +54,7 @@ LATE_WAKE_S = 0.020
 # How long a paced vLLM engine's queue reader sleeps between polls.
 QUEUE_POLL_S = 0.0005
 _SGLANG_MODULE = "sglang.srt.managers.scheduler"
+_SGLANG_TIME_STATS_MODULE = "sglang.srt.observability.req_time_stats"
 
 
 class Profile:
@@ -82,6 +90,8 @@ class Step:
 
     def __init__(self, began, started, batch, model_ms, deadline):
         self.began = began
+        # [arrived, queued, prompt tokens] of the requests this step admits, when logged.
+        self.admitted = []
         self.started = started
         self.batch = batch
         self.model_ms = model_ms
@@ -150,9 +160,37 @@ class Pacer:
                 "compute_ms": round((step.computed - step.began) * 1000.0, 3),
                 # From the step's start on the paced clock (see `plan`) to its release.
                 "wall_ms": round((done - step.started) * 1000.0, 3),
+                "began_at": round(wall_time(step.began), 6),
+                "admitted": step.admitted,
             }
             with self.lock:
                 self.log.write(json.dumps(record) + "\n")
+
+
+def wall_time(perf_counter_time):
+    """A `time.perf_counter()` reading as wall time. Both the pacer and SGLang's request stamps read
+    perf_counter, which is the system-wide monotonic clock on Linux, so readings from different
+    processes compare."""
+    return time.time() - (time.perf_counter() - perf_counter_time)
+
+
+def _vllm_admitted(scheduler, output):
+    """[arrived, queued, prompt tokens] of each request a vLLM step schedules for the first time.
+    vLLM stamps a request's arrival (wall time) in its API server before rendering and tokenizing
+    it; the queueing is stamped by `_pace_vllm`'s `add_request`."""
+    admitted = []
+    for new in output.scheduled_new_reqs:
+        request = scheduler.requests.get(new.req_id)
+        if request is not None:
+            queued = getattr(request, "_kvgate_queued", None)
+            admitted.append(
+                [
+                    round(request.arrival_time, 6),
+                    round(wall_time(queued), 6) if queued is not None else None,
+                    request.num_prompt_tokens,
+                ]
+            )
+    return admitted
 
 
 def _vllm_batch(scheduler, output):
@@ -176,6 +214,11 @@ def _vllm_batch(scheduler, output):
 def _pace_vllm(module, pacer):
     scheduler_cls = module.Scheduler
     schedule, update = scheduler_cls.schedule, scheduler_cls.update_from_output
+    add_request = scheduler_cls.add_request
+
+    def stamped_add_request(self, request, *args, **kwargs):
+        request._kvgate_queued = time.perf_counter()
+        return add_request(self, request, *args, **kwargs)
 
     def paced_schedule(self, *args, **kwargs):
         if getattr(self, "scheduler_config", None) is not None and getattr(
@@ -184,7 +227,10 @@ def _pace_vllm(module, pacer):
             raise RuntimeError("kvgate_pacer paces synchronous scheduling only; start vLLM without async scheduling")
         started = time.perf_counter()
         output = schedule(self, *args, **kwargs)
-        self._kvgate_step = (output, pacer.plan(started, _vllm_batch(self, output)))
+        step = pacer.plan(started, _vllm_batch(self, output))
+        if step is not None and pacer.log is not None:
+            step.admitted = _vllm_admitted(self, output)
+        self._kvgate_step = (output, step)
         return output
 
     def paced_update(self, scheduler_output, *args, **kwargs):
@@ -196,6 +242,7 @@ def _pace_vllm(module, pacer):
 
     scheduler_cls.schedule = paced_schedule
     scheduler_cls.update_from_output = paced_update
+    scheduler_cls.add_request = stamped_add_request
 
 
 def _calm_vllm_queue_polling(module):
@@ -225,6 +272,46 @@ def _sglang_batch(batch):
     return 0, 0, int(batch.extend_num_tokens or 0)
 
 
+def _carry_sglang_arrival(module):
+    """SGLang's API server stamps each request when it takes it, before rendering and tokenizing it
+    (`created_time`, perf_counter), but does not send the stamp on to its scheduler with the
+    request's other times. Paced, the stamp goes along, so the pace log shows a request's way from
+    the API server to the scheduler as vLLM's does. (The scheduler copies the API server's times
+    into its own by name, and its own has the field.)"""
+    stats_cls = module.APIServerReqTimeStats
+    getstate = stats_cls.__getstate__
+
+    def getstate_with_arrival(self):
+        state = getstate(self)
+        if self.created_time:
+            state["created_time"] = self.created_time
+        return state
+
+    stats_cls.__getstate__ = getstate_with_arrival
+
+
+def _sglang_admitted(batch, seen):
+    """[arrived, queued, prompt tokens] of each request an SGLang prefill batch runs for the first
+    time (a long prompt runs in several chunks). The scheduler stamps a request when it receives it
+    (already tokenized); the API server's stamp reaches it through `_carry_sglang_arrival`. Both
+    are perf_counter readings. `seen` holds the requests already admitted; it is cleared when it
+    grows large, which can only forget a request still in its prefill."""
+    admitted = []
+    for req in batch.reqs:
+        if req.rid in seen:
+            continue
+        if len(seen) > 100_000:
+            seen.clear()
+        seen.add(req.rid)
+        stats = getattr(req, "time_stats", None)
+        created = getattr(stats, "created_time", 0.0) if stats is not None else 0.0
+        received = getattr(stats, "scheduler_recv_time", 0.0) if stats is not None else 0.0
+        arrived = round(wall_time(created), 6) if created else None
+        queued = round(wall_time(received), 6) if received else None
+        admitted.append([arrived, queued, len(req.origin_input_ids)])
+    return admitted
+
+
 def _pace_sglang(module, pacer):
     """Paces SGLang's normal loop: schedule, run, process the results. Its overlap loop (the default,
     on the CPU too) launches the next batch before it processes the last one's results; on a GPU that
@@ -234,6 +321,7 @@ def _pace_sglang(module, pacer):
     scheduler_cls = module.Scheduler
     next_batch, run_batch = scheduler_cls.get_next_batch_to_run, scheduler_cls.run_batch
     process_result = scheduler_cls.process_batch_result
+    seen = set()
 
     def paced_next_batch(self, *args, **kwargs):
         if not self.server_args.disable_overlap_schedule:
@@ -245,9 +333,12 @@ def _pace_sglang(module, pacer):
         began = getattr(self, "_kvgate_step_began", None) or time.perf_counter()
         self._kvgate_step_began = None
         result = run_batch(self, batch, *args, **kwargs)
-        step = pacer.plan(began, _sglang_batch(batch))
+        batch_shape = _sglang_batch(batch)
+        step = pacer.plan(began, batch_shape)
         if step is not None and result is not None:
             step.computed = time.perf_counter()
+            if pacer.log is not None and batch_shape[2] > 0:
+                step.admitted = _sglang_admitted(batch, seen)
             result._kvgate_step = step
         return result
 
@@ -310,6 +401,7 @@ def install():
         _VLLM_MODULE: lambda module: _pace_vllm(module, Pacer(profile, scale, log, "vllm")),
         _VLLM_SHM_MODULE: _calm_vllm_queue_polling,
         _SGLANG_MODULE: lambda module: _pace_sglang(module, Pacer(profile, scale, log, "sglang")),
+        _SGLANG_TIME_STATS_MODULE: _carry_sglang_arrival,
     }
     sys.meta_path.insert(0, _PatchAfterImport(patches))
 

@@ -2,7 +2,8 @@
 //! step within 2%, all of them together within 5%, over the steps whose own work fit their
 //! target), and an engine kept busy does not slow its idle neighbour, as on separate GPUs.
 //! Unpaced, on two shared cores, the same load on `a` doubled `b`'s median time to first token and
-//! took its p90 from 9 to 246 ms (docs/real-engines.md). When more than a tenth of either engine's
+//! took its p90 from 9 to 246 ms (docs/real-engines.md). The pace log names each request a step
+//! first runs, with when the engine took it and queued it. When more than a tenth of either engine's
 //! steps computed past their target (something took the cores), the measurement is shown and made
 //! once more.
 
@@ -142,6 +143,42 @@ struct Measured {
     busy_batches: u64,
     a: StepTiming,
     b: StepTiming,
+    /// From `b`'s API server taking each probe to its scheduler queueing it, seconds, sorted.
+    b_intake: Vec<f64>,
+}
+
+/// Every probe `b` served shows in its pace log once, taken by the API server, then queued, then run
+/// by the step that first ran it: what `fidelity_common.intake_intervals` measures a request's way
+/// to the scheduler with. Returns the times from the API server to the queue, sorted.
+fn check_admissions(engine: &Engine, steps: &[PacedStep], probes: u64) -> anyhow::Result<Vec<f64>> {
+    let admitted: Vec<_> = steps.iter().flat_map(|s| s.admitted.iter()).collect();
+    ensure!(
+        admitted.len() as u64 == probes,
+        "engine {}: the pace log admitted {} requests, not the {probes} probes sent",
+        engine.spec.name,
+        admitted.len()
+    );
+    ensure!(
+        admitted.iter().all(|a| a.arrived_at.is_some() && a.queued_at.is_some() && a.prompt_tokens >= 256),
+        "engine {} ({}): an admitted probe lacks its arrival or queueing stamp or its 256 prompt tokens: \
+         {admitted:?}",
+        engine.spec.name,
+        engine.spec.runtime
+    );
+    ensure!(
+        admitted.iter().all(|a| a.arrived_at <= a.queued_at),
+        "engine {}: a probe was queued before its API server took it: {admitted:?}",
+        engine.spec.name
+    );
+    let queued: Vec<f64> = steps.iter().flat_map(PacedStep::queued_s).collect();
+    ensure!(
+        queued.iter().all(|&s| s >= 0.0),
+        "engine {}: a probe's step began before the probe was queued: {queued:?}",
+        engine.spec.name
+    );
+    let mut intake: Vec<f64> = admitted.iter().filter_map(|a| Some(a.queued_at? - a.arrived_at?)).collect();
+    intake.sort_by(f64::total_cmp);
+    Ok(intake)
 }
 
 async fn measure(a: &Engine, b: &Engine, tag: u64) -> anyhow::Result<Measured> {
@@ -175,13 +212,15 @@ async fn measure(a: &Engine, b: &Engine, tag: u64) -> anyhow::Result<Measured> {
         load_requests += l.await??;
     }
     let a_steps = steps_since(a, a_before)?;
+    let b_steps = steps_since(b, b_before)?;
     Ok(Measured {
         alone,
         beside,
         load_requests,
         busy_batches: a_steps.iter().map(|s| s.decode_seqs).max().unwrap_or(0),
         a: check_steps(a, &a_steps)?,
-        b: check_steps(b, &steps_since(b, b_before)?)?,
+        b: check_steps(b, &b_steps)?,
+        b_intake: check_admissions(b, &b_steps, 2 * PROBES)?,
     })
 }
 
@@ -199,13 +238,16 @@ pub async fn a_paced_engine_steps_at_its_profiles_time_and_a_busy_neighbour_does
     let ms = |s: &[f64], q: f64| quantile(s, q) * 1000.0;
     eprintln!(
         "  b's time to first token alone p50 {:.1} / p90 {:.1} ms, beside a busy a p50 {:.1} / p90 {:.1} ms; \
-         a served {} load requests, batches up to {}; steps: a {}, b {}",
+         a served {} load requests, batches up to {}; b's API server to queue p50 {:.1} / p90 {:.1} ms; steps: \
+         a {}, b {}",
         ms(&m.alone, 0.5),
         ms(&m.alone, 0.9),
         ms(&m.beside, 0.5),
         ms(&m.beside, 0.9),
         m.load_requests,
         m.busy_batches,
+        ms(&m.b_intake, 0.5),
+        ms(&m.b_intake, 0.9),
         m.a.show(),
         m.b.show()
     );

@@ -1,0 +1,154 @@
+//! The engines' host delays: the gap after a step before the host plans the next, and the
+//! intake from a request reaching the engine to its scheduler taking it.
+
+use kvgate_core::Timestamp;
+use kvgate_engine_model::{EngineProfile, HostDelay};
+use kvgate_sim::faults::Fault;
+use kvgate_sim::policy::PolicySpec;
+use kvgate_sim::workload::{PromptSpec, Segment, SimRequest, Workload};
+use kvgate_sim::{Report, SimConfig, SimError};
+
+/// `count` requests of `prompt` tokens asking for `output` tokens, sent together to one engine.
+fn together(count: u64, prompt: u32, output: u32) -> Workload {
+    let requests = (0..count)
+        .map(|i| SimRequest {
+            arrival: Timestamp(1_000_000),
+            prompt: PromptSpec { segments: vec![Segment { seed: 7 + i, len: prompt }] },
+            output_tokens: output,
+            hot: false,
+            direct_to: None,
+            after: None,
+            warm_up: false,
+        })
+        .collect();
+    Workload { name: "together".into(), workers: 1, requests, hot_owner: None }
+}
+
+/// One request of `prompt` tokens asking for `output` tokens, alone on one engine.
+fn lone_request(prompt: u32, output: u32) -> Workload {
+    together(1, prompt, output)
+}
+
+fn run_with(w: &Workload, profile: EngineProfile, seed: u64, faults: Vec<Fault>) -> Result<Report, SimError> {
+    let mut cfg = SimConfig::new(profile, PolicySpec::parse("round_robin").unwrap(), seed);
+    cfg.per_request = true;
+    cfg.faults = faults;
+    kvgate_sim::run(w, cfg)
+}
+
+fn run(w: &Workload, gap: HostDelay, seed: u64) -> Result<Report, SimError> {
+    run_with(w, EngineProfile { step_gap: gap, ..EngineProfile::llama3_8b_h100() }, seed, Vec::new())
+}
+
+fn with_intake(intake: HostDelay) -> EngineProfile {
+    EngineProfile { intake, ..EngineProfile::llama3_8b_h100() }
+}
+
+/// A request's TTFT and end to end, µs.
+fn times_of(r: &Report, index: usize) -> (i64, i64) {
+    let row = &r.per_request[index];
+    let micros = |s: Option<f64>| (s.unwrap() * 1e6).round() as i64;
+    (micros(row.ttft_s), micros(row.e2e_s))
+}
+
+/// The lone request's TTFT and end to end, µs.
+fn times(r: &Report) -> (i64, i64) {
+    times_of(r, 0)
+}
+
+#[test]
+fn a_fixed_gap_comes_between_every_two_steps_and_not_before_the_first() {
+    let w = lone_request(1000, 21);
+    let (ttft, e2e) = times(&run(&w, HostDelay::NONE, 1).unwrap());
+    let (gapped_ttft, gapped_e2e) = times(&run(&w, HostDelay { median_ms: 5.0, p90_ms: 5.0 }, 1).unwrap());
+    assert_eq!(gapped_ttft, ttft, "an idle engine starts the request at once");
+    // The prefill step, then 20 decode steps: 20 gaps, none after the last step.
+    assert!((gapped_e2e - e2e - 100_000).abs() <= 100, "{gapped_e2e} - {e2e}");
+}
+
+#[test]
+fn drawn_gaps_average_the_lognormals_mean_and_repeat_with_the_seed() {
+    let w = lone_request(100, 2001);
+    let (_, e2e) = times(&run(&w, HostDelay::NONE, 1).unwrap());
+    let gap = HostDelay { median_ms: 1.0, p90_ms: 3.0 };
+    let (_, gapped) = times(&run(&w, gap, 1).unwrap());
+    // sigma = ln 3 / 1.2816 = 0.857; the mean is exp(sigma² / 2) = 1.444 ms.
+    let per_step_ms = (gapped - e2e) as f64 / 2000.0 / 1000.0;
+    assert!((per_step_ms - 1.444).abs() < 0.1, "{per_step_ms} ms a step");
+    assert_eq!(times(&run(&w, gap, 1).unwrap()), times(&run(&w, gap, 1).unwrap()));
+    assert_ne!(times(&run(&w, gap, 1).unwrap()), times(&run(&w, gap, 2).unwrap()), "another seed, other gaps");
+}
+
+#[test]
+fn a_profile_with_a_bad_gap_or_schedule_is_refused_with_the_reason() {
+    let w = lone_request(100, 2);
+    let Err(SimError::Config(why)) = run(&w, HostDelay { median_ms: 2.0, p90_ms: 1.0 }, 1) else {
+        panic!("a p90 under the median is refused");
+    };
+    assert!(why.contains("step_gap.p90_ms must be at least the median"), "{why}");
+    let profile = EngineProfile { mixed_chunk: Some(false), ..EngineProfile::llama3_8b_h100() };
+    let cfg = SimConfig::new(profile, PolicySpec::parse("round_robin").unwrap(), 1);
+    let Err(SimError::Config(why)) = kvgate_sim::run(&w, cfg) else {
+        panic!("vLLM without mixed chunks is refused");
+    };
+    assert!(why.contains("vLLM's scheduler always mixes"), "{why}");
+}
+
+#[test]
+fn a_fixed_intake_delays_a_lone_requests_first_token_by_exactly_it() {
+    let w = lone_request(1000, 21);
+    let (ttft, e2e) = times(&run_with(&w, with_intake(HostDelay::NONE), 1, Vec::new()).unwrap());
+    let fixed = HostDelay { median_ms: 50.0, p90_ms: 50.0 };
+    let (late_ttft, late_e2e) = times(&run_with(&w, with_intake(fixed), 1, Vec::new()).unwrap());
+    assert_eq!(late_ttft - ttft, 50_000, "the scheduler takes the request 50 ms after it arrives");
+    assert_eq!(late_e2e - e2e, 50_000, "and nothing after that changes");
+}
+
+#[test]
+fn requests_sent_together_go_through_the_intake_one_at_a_time() {
+    // Without an intake, the first request starts the idle engine's step alone and the other three
+    // share the next step, so they see their first tokens together.
+    let w = together(4, 500, 4);
+    let ttfts = |r: &Report| (0..4).map(|i| times_of(r, i).0).collect::<Vec<_>>();
+    let plain = ttfts(&run_with(&w, with_intake(HostDelay::NONE), 1, Vec::new()).unwrap());
+    assert!(plain[1] == plain[2] && plain[2] == plain[3], "{plain:?}");
+    // A fixed 50 ms intake, one request at a time: they reach the scheduler at 50, 100, 150 and
+    // 200 ms, each after the one before has finished (a 21 ms prefill step and three decodes), so
+    // each has the same step to its first token, 50 ms after the one before.
+    let fixed = HostDelay { median_ms: 50.0, p90_ms: 50.0 };
+    let serial = ttfts(&run_with(&w, with_intake(fixed), 1, Vec::new()).unwrap());
+    for k in 0..4 {
+        assert_eq!(serial[k] - plain[0], 50_000 * (k as i64 + 1), "request {k}: {serial:?} against {plain:?}");
+    }
+}
+
+#[test]
+fn drawn_intakes_spread_requests_sent_together_and_repeat_with_the_seed() {
+    let w = together(4, 500, 4);
+    let ttfts = |r: &Report| (0..4).map(|i| times_of(r, i).0).collect::<Vec<_>>();
+    let drawn = HostDelay { median_ms: 20.0, p90_ms: 100.0 };
+    let spread = ttfts(&run_with(&w, with_intake(drawn), 1, Vec::new()).unwrap());
+    let mut distinct = spread.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert!(distinct.len() >= 3, "{spread:?}");
+    assert_eq!(spread, ttfts(&run_with(&w, with_intake(drawn), 1, Vec::new()).unwrap()), "the same seed");
+    assert_ne!(spread, ttfts(&run_with(&w, with_intake(drawn), 2, Vec::new()).unwrap()), "another seed");
+}
+
+#[test]
+fn a_request_still_in_intake_when_its_engine_restarts_fails_and_is_not_lost() {
+    let w = lone_request(1000, 21);
+    let fixed = HostDelay { median_ms: 50.0, p90_ms: 50.0 };
+    // The request arrives at 1 s and would reach the scheduler at 1.05 s; the engine restarts at
+    // 1.02 s.
+    let restart = vec![Fault::Restart { worker: 0, at: Timestamp(1_020_000) }];
+    let r = run_with(&w, with_intake(fixed), 1, restart).unwrap();
+    assert_eq!((r.requests.total, r.requests.failed, r.requests.completed), (1, 1, 0), "{:?}", r.requests);
+    let Err(SimError::Config(why)) =
+        run_with(&w, with_intake(HostDelay { median_ms: 9.0, p90_ms: 3.0 }), 1, Vec::new())
+    else {
+        panic!("an intake p90 under its median is refused");
+    };
+    assert!(why.contains("intake.p90_ms must be at least the median"), "{why}");
+}

@@ -13,7 +13,7 @@ use kvgate_core::{BlockKey, LoadSnapshot, PolicyConfig, PolicyName, RequestId, T
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
-use super::smg_wait::SmgLoadBook;
+use super::smg_wait::{SmgLoadBook, SmgPool};
 use super::{argmin_set, healthy, uniform, FleetInfo, Pick, PolicyRequest, SimPolicy, WorkerView};
 
 /// Page size of the approximate trees, in tokens.
@@ -172,8 +172,9 @@ impl SimPolicy for SglangV04 {
 /// at routing time (its counters name the branches: `tree_match`, `spill`,
 /// `expected_wait_fallback`; 257, 31 and 2 of 290 requests on the paced incident's bursts).
 ///
-/// - Workers over SMG's overload thresholds (8 waiting or 0.8 KV usage in the polled report) are
-///   left out while another is under both.
+/// - Workers SMG's overload veto holds out (8 waiting or 0.8 KV usage in its last 10-second poll)
+///   are left out while another is under both; when every worker is vetoed, the fewest in flight
+///   takes the request ([`SmgLoadBook::pool`]).
 /// - A match rate (matched over the prompt's pages) not over `cache_threshold` (0.3) is a miss: it
 ///   goes to the least expected wait ([`SmgLoadBook`]: SMG's own 10-second poll of each worker's
 ///   load, what it sent since, its KV barrier).
@@ -220,22 +221,19 @@ impl SimPolicy for SmgCacheAwareHttp {
         now: Timestamp,
         rng: &mut ChaCha8Rng,
     ) -> Option<Pick> {
-        let h = healthy(view);
+        let eligible = match self.loads.pool(&healthy(view), view, rng) {
+            SmgPool::Open(open) if !open.is_empty() => open,
+            SmgPool::Open(_) => return None,
+            // Every worker vetoed: SMG's fallback sends the request past the policy, so its tree
+            // does not learn it.
+            SmgPool::AllVetoed(fallback) => {
+                let w = fallback?;
+                self.loads.sent(w, now);
+                return Some(Pick::of(w));
+            }
+        };
         let keys = req.page_keys;
         let depth = self.tree.overlaps(keys, now);
-        // SMG reads its polled reports for this, not its own in-flight counts.
-        let overloaded = |w: usize| {
-            view[w]
-                .snapshot
-                .as_ref()
-                .is_some_and(|s| cache_aware::over_smg_overload_thresholds(s.waiting_requests, s.kv_usage))
-        };
-        let under: Vec<usize> = h.iter().copied().filter(|&w| !overloaded(w)).collect();
-        // Every worker overloaded: the least loaded of them all, as SMG's `--help` says.
-        let eligible = if under.is_empty() { h } else { under };
-        if eligible.is_empty() {
-            return None;
-        }
         let mean = eligible.iter().map(|&w| view[w].in_flight as f64).sum::<f64>() / eligible.len() as f64;
         let over_gate = |w: usize| cache_aware::over_spill_gate(view[w].in_flight as f64, mean, &self.cfg);
         let best = eligible.iter().map(|&w| depth[w]).max().unwrap_or(0);

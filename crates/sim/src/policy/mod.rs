@@ -8,7 +8,7 @@
 //! | `cache_aware`, `cache_aware_seeded` | SMG cache_aware, event-driven, via the core | `core_backed.rs` |
 //! | `smg_cache_aware` | SMG 1.13's cache_aware as shipped: `cache_aware` with its guards (capped spill margin, worker overload protection) | `core_backed.rs` |
 //! | `round_robin`, `random`, `power_of_two` | kvgate's core baselines, as the gateway runs them (SMG §9; §2 scored with kvgate's load-only seconds) | `core_backed.rs` |
-//! | `smg_least_load`, `smg_power_of_two` | SMG expected wait (SMG calls it `least_load`) §1, and §1 on a random pair §2 | `simple.rs` |
+//! | `smg_least_load`, `smg_power_of_two` | SMG 1.13's `least_load` (its expected wait, on its 10-second poll) §1, and on a random pair §2, over HTTP workers, overload veto on | `simple.rs` |
 //! | `smg_cache_aware_http` | SMG 1.13's cache_aware over HTTP workers: its own tree of what it sent, guards on | `approx.rs` |
 //! | `sglang_v04`, `aibrix`, `lmetric` | approximate prefix trees §4, §7, §8 | `approx.rs` |
 //! | `dynamo`, `llm_d` | exact-event KV indexes §5, §6 | `exact.rs` |
@@ -268,8 +268,8 @@ pub fn build(spec: &PolicySpec, fleet: &FleetInfo, knobs: &PolicyConfig) -> Resu
                 spec.name.parse().map_err(|e: kvgate_core::CoreError| SimError::Config(e.to_string()))?;
             Box::new(core_backed::CorePolicy::new(fleet, PolicyConfig::new(name))?)
         }
-        "smg_least_load" => Box::new(simple::SmgLeastLoad::new(false)),
-        "smg_power_of_two" => Box::new(simple::SmgLeastLoad::new(true)),
+        "smg_least_load" => Box::new(simple::SmgLeastLoad::new(fleet, false)),
+        "smg_power_of_two" => Box::new(simple::SmgLeastLoad::new(fleet, true)),
         "smg_cache_aware_http" => Box::new(approx::SmgCacheAwareHttp::new(fleet)),
         "sglang_v04" => Box::new(approx::SglangV04::new(fleet)),
         "aibrix" => Box::new(approx::Aibrix::new(fleet)),

@@ -14,14 +14,21 @@
 //!
 //! The poll's staleness is the point: an engine whose last sample showed its KV nearly full scores
 //! seconds (0.15 · 0.97 / 0.03 ≈ 4.9 s) for up to 10 s after it has emptied.
+//!
+//! SMG's worker overload veto rides the same poll (`worker/monitor.rs` `apply_overload_verdict`,
+//! `worker/overload.rs`): a worker whose polled report is over 8 waiting or 0.8 KV usage is left
+//! out of every policy's selection until a poll finds it under both; when every worker is vetoed the
+//! request goes to the one with the fewest in flight, ties drawn (`routers/common/overload.rs`
+//! `fallback_if_all_vetoed`), past the policy.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use kvgate_core::policy::cache_aware::over_smg_overload_thresholds;
 use kvgate_core::{LoadSnapshot, Timestamp};
 use rand_chacha::ChaCha8Rng;
 
-use super::{uniform, WorkerView};
+use super::{argmin_set, uniform, WorkerView};
 
 /// SMG's default load poll interval.
 pub const SMG_POLL_INTERVAL: Duration = Duration::from_secs(10);
@@ -34,6 +41,16 @@ pub(crate) const KV_PRESSURE_WEIGHT_S: f64 = 0.15;
 /// Scores closer than this are one tie.
 const TIE_EPSILON_S: f64 = 1e-6;
 
+/// Where SMG may send a request, by its overload veto ([`SmgLoadBook::pool`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SmgPool {
+    /// The workers not vetoed (none only when no worker is healthy): the policy chooses among them.
+    Open(Vec<usize>),
+    /// Every healthy worker is vetoed: the request goes to this one (the fewest in flight), or
+    /// nowhere when none is healthy.
+    AllVetoed(Option<usize>),
+}
+
 /// SMG's view of each worker's load: its last poll and what it sent since.
 #[derive(Debug)]
 pub struct SmgLoadBook {
@@ -44,11 +61,13 @@ pub struct SmgLoadBook {
 }
 
 impl SmgLoadBook {
-    /// A book for `workers` workers, polled first `SMG_POLL_INTERVAL` after the start.
+    /// A book for `workers` workers. SMG polls a worker group as soon as it starts (its monitor's
+    /// `tokio::time::interval` ticks at once), then every `SMG_POLL_INTERVAL`: the first report is
+    /// read, then the first at or after each 10 s.
     pub fn new(workers: usize) -> Self {
         SmgLoadBook {
             polled: vec![None; workers],
-            next_poll: vec![Timestamp::ZERO.saturating_add(SMG_POLL_INTERVAL); workers],
+            next_poll: vec![Timestamp::ZERO; workers],
             since_poll: vec![VecDeque::new(); workers],
         }
     }
@@ -112,6 +131,25 @@ impl SmgLoadBook {
             .collect()
     }
 
+    /// Whether SMG's overload veto holds `worker` out: its last poll was over SMG's thresholds. An
+    /// unpolled worker is not vetoed.
+    pub fn vetoed(&self, worker: usize) -> bool {
+        self.polled
+            .get(worker)
+            .and_then(Option::as_ref)
+            .is_some_and(|s| over_smg_overload_thresholds(s.waiting_requests, s.kv_usage))
+    }
+
+    /// Where SMG may send a request among the `healthy` workers: those its veto leaves, or, when it
+    /// vetoes every one, the fallback SMG takes then, past the policy.
+    pub fn pool(&self, healthy: &[usize], view: &[WorkerView], rng: &mut ChaCha8Rng) -> SmgPool {
+        let open: Vec<usize> = healthy.iter().copied().filter(|&w| !self.vetoed(w)).collect();
+        if !open.is_empty() || healthy.is_empty() {
+            return SmgPool::Open(open);
+        }
+        SmgPool::AllVetoed(uniform(&argmin_set(healthy, |w| view[w].in_flight), rng))
+    }
+
     /// The candidate with the least expected wait (ties drawn), or `None` if there is none.
     pub fn select(&self, candidates: &[usize], view: &[WorkerView], rng: &mut ChaCha8Rng) -> Option<usize> {
         let scores = self.scores(candidates, view);
@@ -152,20 +190,20 @@ mod tests {
     #[test]
     fn a_stale_poll_of_a_full_cache_keeps_smg_off_an_engine_until_the_next_poll() {
         let mut book = SmgLoadBook::new(2);
-        // Polled only from 10 s on, every 10 s.
-        book.on_report(0, &report(0.97, 0, 8, 5));
         assert_eq!(book.scores(&[0, 1], &views(&[0, 1])), vec![0.0, 1.0], "no poll read yet");
-        book.on_report(0, &report(0.97, 0, 8, 10));
-        book.on_report(1, &report(0.10, 0, 1, 10));
+        // Polled at once, then every 10 s: the report at 5 s is read, the one at 8 s is not.
+        book.on_report(0, &report(0.97, 0, 8, 5));
+        book.on_report(1, &report(0.10, 0, 1, 5));
+        book.on_report(1, &report(0.0, 0, 0, 8));
         // Engine 0 has emptied since (0 in flight), but SMG scores the sample: 8 running × 0.512 s
         // plus 0.15 · 0.97 / 0.03 s; engine 1 with its one request is far cheaper.
         let scores = book.scores(&[0, 1], &views(&[0, 1]));
         assert!((scores[0] - (8.0 * 0.512 + 0.15 * 0.97 / 0.03)).abs() < 1e-9, "{scores:?}");
         assert!((scores[1] - (0.512 + 0.15 * 0.10 / 0.90)).abs() < 1e-9, "{scores:?}");
-        // A report between polls is not read; the next poll is.
-        book.on_report(0, &report(0.0, 0, 0, 15));
+        // A report between polls is not read; the next poll, at 10 s, is.
+        book.on_report(0, &report(0.0, 0, 0, 9));
         assert!(book.scores(&[0], &views(&[0]))[0] > 4.0);
-        book.on_report(0, &report(0.0, 0, 0, 20));
+        book.on_report(0, &report(0.0, 0, 0, 10));
         assert_eq!(book.scores(&[0], &views(&[0]))[0], 0.0);
     }
 
@@ -184,6 +222,30 @@ mod tests {
         // Held beyond the report: two in flight that a sample shows none of count as unaccounted.
         book.on_report(0, &report(0.0, 0, 0, 30));
         assert_eq!(book.scores(&[0], &view), vec![2.0 * 0.512]);
+    }
+
+    #[test]
+    fn the_overload_veto_holds_from_one_poll_to_the_next_and_a_fully_vetoed_fleet_takes_the_fewest_in_flight() {
+        let mut book = SmgLoadBook::new(3);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let view = views(&[5, 2, 9]);
+        assert_eq!(book.pool(&[0, 1, 2], &view, &mut rng), SmgPool::Open(vec![0, 1, 2]), "no poll, no veto");
+        // At the 10 s poll, engine 0 has 8 waiting and engine 2 a cache 0.8 full.
+        book.on_report(0, &report(0.1, 8, 4, 10));
+        book.on_report(1, &report(0.1, 7, 4, 10));
+        book.on_report(2, &report(0.8, 0, 4, 10));
+        assert!(book.vetoed(0) && !book.vetoed(1) && book.vetoed(2));
+        assert_eq!(book.pool(&[0, 1, 2], &view, &mut rng), SmgPool::Open(vec![1]));
+        // Engine 0 drains, but a report between polls is not read: the veto holds until 20 s.
+        book.on_report(0, &report(0.0, 0, 0, 15));
+        assert!(book.vetoed(0));
+        book.on_report(0, &report(0.0, 0, 0, 20));
+        assert!(!book.vetoed(0));
+        // Every healthy worker vetoed: the fewest in flight, past the policy.
+        book.on_report(0, &report(0.9, 0, 0, 30));
+        book.on_report(1, &report(0.1, 9, 0, 30));
+        assert_eq!(book.pool(&[0, 1, 2], &view, &mut rng), SmgPool::AllVetoed(Some(1)));
+        assert_eq!(book.pool(&[], &view, &mut rng), SmgPool::Open(vec![]), "no healthy worker, no pool");
     }
 
     #[test]

@@ -148,8 +148,9 @@ struct Host {
     awaiting_new_events: bool,
     /// When the last live batch was scheduled to reach the router.
     last_delivery: Timestamp,
-    /// Requests sent to the engine that its scheduler has not taken yet ([`EngineProfile::intake`]).
-    in_intake: Vec<RequestId>,
+    /// Requests sent to the engine that its scheduler has not taken yet ([`EngineProfile::intake`]),
+    /// with their prompt tokens.
+    in_intake: Vec<(RequestId, u64)>,
     /// When the host's intake is done with the last request sent to it: it takes one at a time.
     intake_free_at: Timestamp,
 }
@@ -416,7 +417,7 @@ impl<'w> Simulation<'w> {
             Ev::StepStart(w, epoch) if epoch == self.hosts[w].epoch => self.start_step(w, now),
             Ev::StepStart(..) => {}
             Ev::Intake(w, epoch, req) if epoch == self.hosts[w].epoch => {
-                self.hosts[w].in_intake.retain(|&id| id != req.id);
+                self.hosts[w].in_intake.retain(|&(id, _)| id != req.id);
                 self.take(w, req, now);
             }
             // Sent to a process that has since restarted: failed with its requests then.
@@ -529,7 +530,11 @@ impl<'w> Simulation<'w> {
             // count as seen by it and are not counted twice.
             let observed = Timestamp(now.0 + 1);
             for (w, host) in self.hosts.iter().enumerate().filter(|(_, h)| h.connected) {
-                self.replicas[replica].policy.on_load(w, &host.engine.load(observed));
+                // A request in the engine's intake is the engine's, waiting, with all its prompt.
+                let mut load = host.engine.load(observed);
+                load.waiting_requests += host.in_intake.len() as u64;
+                load.waiting_tokens += host.in_intake.iter().map(|&(_, tokens)| tokens).sum::<u64>();
+                self.replicas[replica].policy.on_load(w, &load);
             }
         }
         let pick = loop {
@@ -612,7 +617,7 @@ impl<'w> Simulation<'w> {
         let host = &mut self.hosts[w];
         let ready = Timestamp(host.intake_free_at.max(now).0 + micros);
         host.intake_free_at = ready;
-        host.in_intake.push(req.id);
+        host.in_intake.push((req.id, req.tokens.len() as u64));
         self.queue.push(ready, Ev::Intake(w, host.epoch, req));
     }
 
@@ -878,7 +883,7 @@ impl<'w> Simulation<'w> {
     fn restart(&mut self, w: usize, now: Timestamp) {
         let mut failed = self.hosts[w].engine.restart();
         let host = &mut self.hosts[w];
-        failed.append(&mut host.in_intake);
+        failed.extend(host.in_intake.drain(..).map(|(id, _)| id));
         host.intake_free_at = now;
         host.epoch += 1;
         host.stepping = false;

@@ -152,3 +152,28 @@ fn a_request_still_in_intake_when_its_engine_restarts_fails_and_is_not_lost() {
     };
     assert!(why.contains("intake.p90_ms must be at least the median"), "{why}");
 }
+
+#[test]
+fn the_oracle_counts_the_requests_in_an_engines_intake_as_the_engines() {
+    // Engine 0 holds a 500-token prefix (a request placed on it directly); then four requests of
+    // that prefix and 2,000 tokens of their own come at once, each reaching its scheduler 100 ms
+    // after it is sent. Blind to the intake, the oracle would see engine 0 idle and cached for
+    // every one of them; seeing the first ones waiting there, it spreads them.
+    let request = |arrival: u64, seed: u64, direct_to: Option<usize>| SimRequest {
+        arrival: Timestamp(arrival),
+        prompt: PromptSpec { segments: vec![Segment { seed: 1, len: 500 }, Segment { seed, len: 2000 }] },
+        output_tokens: 4,
+        hot: false,
+        direct_to,
+        after: None,
+        warm_up: false,
+    };
+    let mut requests = vec![request(0, 99, Some(0))];
+    requests.extend((0..4).map(|i| request(1_000_000, 100 + i, None)));
+    let w = Workload { name: "owner".into(), workers: 4, requests, hot_owner: None };
+    let profile = with_intake(HostDelay { median_ms: 100.0, p90_ms: 100.0 });
+    let cfg = SimConfig::new(profile, PolicySpec::parse("oracle").unwrap(), 1);
+    let r = kvgate_sim::run(&w, cfg).unwrap();
+    let routed: Vec<u64> = r.workers.iter().map(|w| w.requests).collect();
+    assert!(routed.iter().all(|&n| n <= 2) && routed.iter().sum::<u64>() == 4, "{routed:?}");
+}

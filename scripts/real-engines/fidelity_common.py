@@ -65,6 +65,15 @@ def step_gaps(paths):
 
 
 
+def stamped_steps(path):
+    """The steps of a pacer log that carry its request stamps: `began_at`, and `admitted` entries of
+    `[arrived, queued, prompt tokens]` (an older pacer logged none, or `[arrived, tokens]`)."""
+    steps = [step for step in map(json.loads, open(path)) if "began_at" in step]
+    if any(len(a) != 3 for step in steps for a in step.get("admitted", [])):
+        return []
+    return [dict(step, admitted=step.get("admitted", [])) for step in steps]
+
+
 def intake_delays(pace_paths, requests_path, clients):
     """A burst's first requests on their way to the engines' first steps, from the pacer's logs
     (each step's start and the requests it first ran, with when the engine queued each) and the
@@ -81,14 +90,14 @@ def intake_delays(pace_paths, requests_path, clients):
     starts = sorted(min(times) for times in sent.values())
     out = {"first_step_after_send": [], "first_step_requests": [], "first_step_after_queued": [],
            "wave0_queued_after_send": [], "first_step_spread": []}
-    engines = [[step for step in map(json.loads, open(path)) if "began_at" in step] for path in pace_paths]
+    engines = [stamped_steps(path) for path in pace_paths]
     for b, start in enumerate(starts):
         end = starts[b + 1] if b + 1 < len(starts) else float("inf")
         queued, firsts = [], []
         for steps in engines:
             # The steps that ran a request of this burst for the first time.
             taken = [s for s in steps if start <= s["began_at"] < end
-                     and any(a[1] is not None and a[1] >= start for a in s.get("admitted", []))]
+                     and any(a[1] is not None and a[1] >= start for a in s["admitted"])]
             queued += [a[1] for s in taken for a in s["admitted"] if a[1] is not None and a[1] >= start]
             if taken:
                 first = taken[0]
@@ -113,11 +122,9 @@ def intake_intervals(paths):
     that step, so after it began. Only requests with both stamps."""
     intervals = []
     for path in paths:
-        # Steps an older pacer logged carry no stamps.
-        steps = [step for step in map(json.loads, open(path)) if "began_at" in step]
+        steps = stamped_steps(path)
         ends = [(s["t"], s["began_at"]) for s in steps]
-        stamped = [(a[0], a[1]) for s in steps for a in s.get("admitted", [])
-                   if len(a) == 3 and a[0] is not None and a[1] is not None]
+        stamped = [(a[0], a[1]) for s in steps for a in s["admitted"] if a[0] is not None and a[1] is not None]
         for arrived, queued in stamped:
             if any(other < arrived < other_queued for other, other_queued in stamped):
                 continue

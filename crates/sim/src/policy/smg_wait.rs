@@ -33,11 +33,11 @@ use super::{argmin_set, uniform, WorkerView};
 /// SMG's default load poll interval.
 pub const SMG_POLL_INTERVAL: Duration = Duration::from_secs(10);
 /// p̄: SMG's per-request token estimate where a request's length is unknown.
-pub(crate) const MEAN_PREFILL_TOKENS: f64 = 1024.0;
+const MEAN_PREFILL_TOKENS: f64 = 1024.0;
 /// T: SMG's drain rate where the engine reports none, tokens per second.
-pub(crate) const DEFAULT_THROUGHPUT: f64 = 2000.0;
+const DEFAULT_THROUGHPUT: f64 = 2000.0;
 /// λ: the weight of SMG's KV-pressure barrier, seconds.
-pub(crate) const KV_PRESSURE_WEIGHT_S: f64 = 0.15;
+const KV_PRESSURE_WEIGHT_S: f64 = 0.15;
 /// Scores closer than this are one tie.
 const TIE_EPSILON_S: f64 = 1e-6;
 

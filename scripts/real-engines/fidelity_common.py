@@ -2,8 +2,10 @@
 real router paired with the simulator's model of it, and the latency columns both tables print."""
 
 import collections
+import glob
 import json
 import math
+import os
 import statistics
 
 
@@ -67,11 +69,61 @@ def step_gaps(paths):
 
 def stamped_steps(path):
     """The steps of a pacer log that carry its request stamps: `began_at`, and `admitted` entries of
-    `[arrived, queued, prompt tokens]` (an older pacer logged none, or `[arrived, tokens]`)."""
+    `[arrived, queued, prompt tokens]`, with the request's id after them in newer logs (an older
+    pacer logged none, or `[arrived, tokens]`); `first_tokens` empty where the log has none."""
     steps = [step for step in map(json.loads, open(path)) if "began_at" in step]
-    if any(len(a) != 3 for step in steps for a in step.get("admitted", [])):
+    if any(len(a) not in (3, 4) for step in steps for a in step.get("admitted", [])):
         return []
-    return [dict(step, admitted=step.get("admitted", [])) for step in steps]
+    return [dict(step, admitted=step.get("admitted", []), first_tokens=step.get("first_tokens", [])) for step in steps]
+
+
+# The parts of a request's time to first token, in order (`ttft_parts`).
+TTFT_PARTS = ("to_engine", "intake", "queue", "prefill", "delivery")
+
+
+def ttft_parts(pace_paths, requests_path):
+    """Where each request's time to first token went, in ms, from the pacer logs (when its engine's
+    API server took it, when the scheduler queued it, when its first step began, when the step that
+    completed its prompt released its first token) joined by request id to the incident client's
+    records (when it left, its TTFT, and the id its response carried): `to_engine`, from leaving
+    the client to the engine's API server (the client's send, the router, the hop); `intake`, the
+    API server (rendering, tokenizing) and the hand-over to the scheduler; `queue`, waiting for a
+    step; `prefill`, its prompt's steps; `delivery`, from the first token's release to the client
+    (detokenizing, the engine's and the router's streams). They add up to the TTFT. Besides them,
+    `late`: how much of the prefill was its steps running past their targets (the CPU starved:
+    the testbed, which the model leaves out), and the record's `index` in its burst. A list of
+    dicts, one per request found in the logs with every stamp; the client's records of requests
+    that are not are left out (an older log has no ids)."""
+    seen = {}
+    for path in pace_paths:
+        # Each engine's paced time so far, to tell a prefill's steps' targets from their overrun.
+        paced = 0.0
+        for step in stamped_steps(path):
+            for a in step["admitted"]:
+                if len(a) == 4 and a[3] not in seen and a[0] is not None and a[1] is not None:
+                    seen[a[3]] = {"arrived": a[0], "queued": a[1], "began": step["began_at"], "paced": paced}
+            paced += step["target_ms"]
+            for rid in step["first_tokens"]:
+                if rid in seen and "released" not in seen[rid]:
+                    seen[rid]["released"] = step["t"]
+                    seen[rid]["targets"] = paced - seen[rid]["paced"]
+    # vLLM's engine id for a completion is its response's id, the prompt's index and a suffix of its
+    # own ("cmpl-ID-0-1a2b3c4d"); a chat completion's has no index.
+    by_id = dict(seen)
+    for rid, stamps in seen.items():
+        for cut in (1, 2):
+            by_id.setdefault(rid.rsplit("-", cut)[0], stamps)
+    parts = []
+    for line in open(requests_path):
+        r = json.loads(line)
+        stamps = by_id.get(r.get("id"))
+        if stamps is None or "released" not in stamps or r.get("ttft_s") is None:
+            continue
+        times = [r["sent_at"], stamps["arrived"], stamps["queued"], stamps["began"], stamps["released"],
+                 r["sent_at"] + r["ttft_s"]]
+        part = {name: (b - a) * 1000 for name, a, b in zip(TTFT_PARTS, times, times[1:])}
+        parts.append(dict(part, late=part["prefill"] - stamps["targets"], index=r["index"]))
+    return parts
 
 
 def intake_delays(pace_paths, requests_path, clients):
@@ -168,3 +220,19 @@ def fit_lognormal(intervals):
     mu, sigma = best([math.log(0.1) + i * 0.2 for i in range(50)], [0.05 + i * 0.1 for i in range(30)])
     mu, sigma = best([mu + (i - 10) * 0.02 for i in range(21)], [max(0.01, sigma + (i - 10) * 0.01) for i in range(21)])
     return math.exp(mu), math.exp(mu + 1.2815515655 * sigma)
+
+
+def runs_ttft_parts(work, config=None):
+    """`ttft_parts` over every run in a work directory that kept the client's records
+    (`CONFIG-ROUND.requests.jsonl`, beside its pacer logs in `CONFIG-ROUND.pace/`), or only
+    CONFIG's runs ("smg-cache_aware" is not "smg-cache_aware-unguarded"), and how many requests
+    the records hold in all."""
+    parts, total = [], 0
+    for path in sorted(glob.glob(f"{work}/*.requests.jsonl")):
+        run = path[:-len(".requests.jsonl")]
+        name, _, round_ = os.path.basename(run).rpartition("-")
+        if not round_.isdigit() or (config is not None and name != config):
+            continue
+        total += sum(1 for _ in open(path))
+        parts += ttft_parts(sorted(glob.glob(f"{run}.pace/e*.pace.jsonl")), path)
+    return parts, total

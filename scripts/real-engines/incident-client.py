@@ -91,7 +91,9 @@ def metric(port, name):
 
 
 def send(router, prompt, max_tokens, stream, usage=None):
-    """Time to the first event and to the end; the usage the last event carries goes to `usage`."""
+    """Time to the first event and to the end; the usage the last event carries goes to `usage`, with
+    `sent_at` (the wall time the request left) and `id` (the first event's, which the engine names
+    after its own request id: the pacer's log names requests by it)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -99,11 +101,15 @@ def send(router, prompt, max_tokens, stream, usage=None):
         f"{router}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     started = time.perf_counter()
+    if usage is not None:
+        usage["sent_at"] = time.time()
     first = None
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             if first is None and line.startswith(b"data:"):
                 first = time.perf_counter() - started
+                if usage is not None and line.startswith(b"data: {"):
+                    usage["id"] = json.loads(line[6:]).get("id")
             if usage is not None and line.startswith(b"data: {") and b'"usage"' in line:
                 got = json.loads(line[6:]).get("usage")
                 if got:
@@ -134,7 +140,7 @@ def main():
     ap.add_argument("--bursts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
-        "--requests-out", help="write one JSON line per request (burst, index, client, sent_s from the burst's start, sent_at wall time, ttft_s, e2e_s)"
+        "--requests-out", help="write one JSON line per request (burst, index, client, sent_s from the burst's start, sent_at wall time, id: the response's, ttft_s, e2e_s)"
     )
     a = ap.parse_args()
     ports = [int(p) for p in a.ports.split(",")]
@@ -197,7 +203,6 @@ def main():
                 try:
                     usage = {}
                     sent = time.perf_counter() - burst_start
-                    sent_at = time.time()
                     first, whole = send(a.router, prefix + f"question {burst}.{j}: " + questions[j], a.output, True, usage)
                     with lock:
                         records.append(
@@ -206,7 +211,8 @@ def main():
                                 "index": j,
                                 "client": k,
                                 "sent_s": sent,
-                                "sent_at": round(sent_at, 6),
+                                "sent_at": round(usage["sent_at"], 6),
+                                "id": usage.get("id"),
                                 "ttft_s": first,
                                 "e2e_s": whole,
                             }

@@ -14,8 +14,11 @@
 # per-request records, the share of requests over 2 s, and each request's time from its first to
 # its last token (p10 / p50 / p90); then, from the real engines' pacer logs and the client's send
 # times, where each burst's spread starts (when the engines queue its first wave, when each
-# engine's first step begins and how many requests it runs). Not part of CI; results go in
-# docs/simulator-fidelity.md.
+# engine's first step begins and how many requests it runs); then, joining the client's records to
+# the pacer logs by request id, where each real request's TTFT goes (to the engine, intake, wait
+# for a step, prefill, delivery, and how much of the prefill its steps ran past their targets),
+# and by wave each TTFT before and after the step that first runs it, real (and real with its steps
+# on time) against the simulator's. Not part of CI; results go in docs/simulator-fidelity.md.
 #
 # Usage: scripts/real-engines/incident-fidelity.sh [ENGINES] [REPEATS] [CONFIGS]
 #   as incident.sh (defaults 4, 1; CONFIGS of kvgate-enforce, kvgate-off, smg-cache_aware and
@@ -76,7 +79,7 @@ python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "
   "$work" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
 import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import error, intake_delays, latencies, mean, pairs, quantile, runs_count
+from fidelity_common import TTFT_PARTS, error, intake_delays, latencies, mean, pairs, quantile, runs_count, runs_ttft_parts
 results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens, work = sys.argv[1:10]
 clients, per_burst = int(sys.argv[10]), int(sys.argv[11])
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
@@ -119,7 +122,8 @@ print("\nTTFT by wave (wave k: each client's request k of a burst), p50 / p90 in
 print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s | first to last token p10 / p50 / p90 (ms) |")
 print("|---|" + "---|" * (waves + 2))
 for real_name, sim_name, found in pairs(results, sim_path, names):
-    files = sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
+    files = [f for f in sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
+             if f[len(f"{work}/{real_name}-"):-len(".requests.jsonl")].isdigit()]
     if not files or found is None:
         continue
     real = [json.loads(line) for f in files for line in open(f)]
@@ -162,4 +166,47 @@ for real_name, _, _ in pairs(results, sim_path, names):
     print(f"| {real_name} | {q3(d['wave0_queued_after_send'])} | {q3(d['first_step_after_send'])} | "
           f"{q3(d['first_step_after_queued'])} | {q3(d['first_step_spread'])} | "
           f"{sum(c == 1 for c in counts)} / {sum(c == 2 for c in counts)} / {sum(c >= 3 for c in counts)} |")
+
+# Where a request's TTFT goes, real: each part's p50 / p90 over the requests the pacer logs name
+# (fidelity_common.ttft_parts). The simulator models to_engine and delivery as the profile's
+# dispatch and delivery, fitted to these (sim-profile.sh).
+print("\nWhere a request's TTFT goes, real (ms, p50 / p90 of each part; the parts' p50s need not add up to the TTFT's)\n")
+print("| router | requests | " + " | ".join(TTFT_PARTS) + " | TTFT | prefill's steps past their targets |")
+print("|---|---|" + "---|" * (len(TTFT_PARTS) + 2))
+for real_name, _, _ in pairs(results, sim_path, names):
+    parts, total = runs_ttft_parts(work, real_name)
+    if not parts:
+        print(f"| {real_name} | 0 of {total}: no request ids in its pacer logs or records | " + " | " * (len(TTFT_PARTS) + 1))
+        continue
+    q2 = lambda xs: f"{quantile(xs, 0.5):.0f} / {quantile(xs, 0.9):.0f}"
+    ttft = [sum(p[k] for k in TTFT_PARTS) for p in parts]
+    print(f"| {real_name} | {len(parts)} of {total} | " + " | ".join(q2([p[k] for p in parts]) for k in TTFT_PARTS)
+          + f" | {q2(ttft)} | {q2([p['late'] for p in parts])} |")
+
+# The same TTFTs cut where the step that first runs the request begins: before it (the way to the
+# engine, the intake, the queue) and after it (the prefill steps, the first token's delivery), by
+# wave, real against the simulator's per-request records; the real "after" also less its steps'
+# time past their targets (the model's steps keep time).
+print(f"\nTTFT before and after the step that first runs the request, by wave: p50 / p90 in ms, real against sim\n")
+print("| router | " + " | ".join(f"wave {k} before | after" for k in range(waves)) + " |")
+print("|---|" + "---|---|" * waves)
+for real_name, sim_name, found in pairs(results, sim_path, names):
+    parts, _ = runs_ttft_parts(work, real_name)
+    rows = found[1].get("per_request", []) if found else []
+    if not parts or not rows:
+        continue
+    cells = []
+    for k in range(waves):
+        real_k = [p for p in parts if p["index"] // clients == k]
+        sim_k = [r for r in rows if (r["index"] - 1) % per_burst // clients == k
+                 and r.get("first_step_s") is not None and r["ttft_s"] is not None]
+        before = [p["to_engine"] + p["intake"] + p["queue"] for p in real_k]
+        after = [p["prefill"] + p["delivery"] for p in real_k]
+        on_time = [p["prefill"] - p["late"] + p["delivery"] for p in real_k]
+        sim_before = [r["first_step_s"] * 1000 for r in sim_k]
+        sim_after = [(r["ttft_s"] - r["first_step_s"]) * 1000 for r in sim_k]
+        q2 = lambda xs: f"{quantile(xs, 0.5):.0f} / {quantile(xs, 0.9):.0f}"
+        cells.append(f"{q2(before)} real, {q2(sim_before)} sim")
+        cells.append(f"{q2(after)} real ({q2(on_time)} with its steps on time), {q2(sim_after)} sim")
+    print(f"| {real_name} | " + " | ".join(cells) + " |")
 PY

@@ -9,7 +9,10 @@
 # tokenizing it, to the scheduler being able to queue it), a lognormal fitted to the interval each
 # request's intake is bound to by its stamps and the steps around them
 # (`fidelity_common.intake_intervals`; none, with a warning, from logs an older pacer wrote without
-# the stamps). Prints the profile as JSON, for `kvgate sim --profile`. Used by fidelity.sh and
+# the stamps); and, where the client kept its records (the incident's), the way from the client to
+# the engine and back (`dispatch`, `delivery`): the median and 90th percentile of each request's
+# time from leaving the client to its engine's API server, and from the step releasing its first
+# token to the client (`fidelity_common.ttft_parts`). Prints the profile as JSON, for `kvgate sim --profile`. Used by fidelity.sh and
 # incident-fidelity.sh.
 #
 # Usage: scripts/real-engines/sim-profile.sh RUNTIME PACE SCALE KV_TOKENS BLOCK [PACE_LOGS]
@@ -32,7 +35,7 @@ esac
 target/release/kvgate profile "$pace" --compact | python3 -c '
 import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import fit_lognormal, intake_intervals, quantile, step_gaps
+from fidelity_common import fit_lognormal, intake_intervals, quantile, runs_ttft_parts, step_gaps
 scale, budget, running, kv, block, runtime, logs = float(sys.argv[1]), *map(int, sys.argv[2:6]), *sys.argv[6:8]
 p = json.load(sys.stdin)
 for k in ("step_base_ms", "per_seq_ms", "per_kilo_context_ms"):
@@ -56,4 +59,13 @@ if logs:
               "(an older pacer wrote them): the profile has no intake", file=sys.stderr)
     else:
         p["intake"] = {"median_ms": round(intake[0], 3), "p90_ms": round(intake[1], 3)}
+    parts, _ = runs_ttft_parts(logs)
+    if not parts:
+        print(f"sim-profile.sh: no client records in {logs} join its pacer logs (an aiperf run, or an older "
+              "pacer or client): the profile has no dispatch or delivery", file=sys.stderr)
+    for field, part in (("dispatch", "to_engine"), ("delivery", "delivery")):
+        values = [max(x[part], 0.0) for x in parts]
+        if values:
+            median, p90 = quantile(values, 0.5), quantile(values, 0.9)
+            p[field] = {"median_ms": round(median, 3), "p90_ms": round(max(p90, median), 3)}
 print(json.dumps(p))' "$scale" "$budget" "$max_running" "$kv_tokens" "$block" "$runtime" "$pace_logs"

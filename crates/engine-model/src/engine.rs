@@ -397,6 +397,12 @@ impl Engine {
         self.waiting.push_front(r);
     }
 
+    /// The requests the step [`Engine::begin_step`] planned runs, prefilling or decoding (none
+    /// when no step is planned).
+    pub fn planned(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.plan.iter().flat_map(|plan| plan.work.iter().map(|&(i, _)| self.running[i].id))
+    }
+
     /// Applies the planned step.
     pub fn end_step(&mut self) -> StepOutcome {
         let mut out = StepOutcome::default();

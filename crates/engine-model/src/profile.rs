@@ -56,6 +56,18 @@ pub struct EngineProfile {
     /// which of a burst's requests an idle engine's first step runs.
     #[serde(default, skip_serializing_if = "HostDelay::is_none")]
     pub intake: HostDelay,
+    /// The way from a client sending a request to the engine's API server taking it (the client's
+    /// send, the router reading, tokenizing and routing it, the hop to the engine), drawn per
+    /// request. None by default. It is the testbed's rather than the engine's, but a paced real
+    /// fleet's TTFT includes it, so the profile of such a fleet carries it (`sim-profile.sh` reads
+    /// it off the client's records joined to the pacer logs).
+    #[serde(default, skip_serializing_if = "HostDelay::is_none")]
+    pub dispatch: HostDelay,
+    /// The way back: from a step releasing a token to the client receiving it (the engine's API
+    /// server detokenizing and streaming it, the router's stream, the client reading it), drawn
+    /// for a request's first token and again for its last. None by default, as `dispatch`.
+    #[serde(default, skip_serializing_if = "HostDelay::is_none")]
+    pub delivery: HostDelay,
 }
 
 /// A host's delay (between two steps, or before a request reaches the scheduler), drawn each time
@@ -135,6 +147,8 @@ impl EngineProfile {
             mixed_chunk: Some(true),
             step_gap: HostDelay::NONE,
             intake: HostDelay::NONE,
+            dispatch: HostDelay::NONE,
+            delivery: HostDelay::NONE,
         }
     }
 
@@ -154,6 +168,8 @@ impl EngineProfile {
             mixed_chunk: None,
             step_gap: HostDelay::NONE,
             intake: HostDelay::NONE,
+            dispatch: HostDelay::NONE,
+            delivery: HostDelay::NONE,
         }
     }
 
@@ -179,7 +195,9 @@ impl EngineProfile {
             );
         }
         self.step_gap.check("step_gap")?;
-        self.intake.check("intake")
+        self.intake.check("intake")?;
+        self.dispatch.check("dispatch")?;
+        self.delivery.check("delivery")
     }
 
     /// Duration of one step in microseconds.
@@ -246,16 +264,26 @@ mod tests {
         profile.intake = HostDelay { median_ms: 20.0, p90_ms: 10.0 };
         let why = profile.check_scheduling().unwrap_err();
         assert!(why.contains("intake.p90_ms"), "{why}");
+        profile.intake = HostDelay::NONE;
+        profile.delivery = HostDelay { median_ms: f64::INFINITY, p90_ms: f64::INFINITY };
+        let why = profile.check_scheduling().unwrap_err();
+        assert!(why.contains("delivery.median_ms"), "{why}");
+        profile.delivery = HostDelay::NONE;
+        profile.dispatch = HostDelay { median_ms: 5.0, p90_ms: 4.0 };
+        assert!(profile.check_scheduling().unwrap_err().contains("dispatch.p90_ms"));
     }
 
     #[test]
     fn a_profile_without_host_delays_reads_as_none_and_writes_without_them() {
         let mut json = serde_json::to_value(EngineProfile::llama3_8b_h100()).unwrap();
-        assert!(json.get("step_gap").is_none() && json.get("intake").is_none());
+        for field in ["step_gap", "intake", "dispatch", "delivery"] {
+            assert!(json.get(field).is_none(), "{field} is written when it is none");
+        }
         json["step_gap"] = serde_json::json!({"median_ms": 0.9, "p90_ms": 3.0});
         json["intake"] = serde_json::json!({"median_ms": 20.0, "p90_ms": 100.0});
         let p: EngineProfile = serde_json::from_value(json).unwrap();
         assert_eq!(p.step_gap, HostDelay { median_ms: 0.9, p90_ms: 3.0 });
         assert_eq!(p.intake, HostDelay { median_ms: 20.0, p90_ms: 100.0 });
+        assert!(p.dispatch.is_none() && p.delivery.is_none());
     }
 }

@@ -19,6 +19,8 @@ fn small_profile(kv_tokens: u64) -> EngineProfile {
         mixed_chunk: None,
         step_gap: crate::HostDelay::NONE,
         intake: crate::HostDelay::NONE,
+        dispatch: crate::HostDelay::NONE,
+        delivery: crate::HostDelay::NONE,
     }
 }
 

@@ -86,6 +86,9 @@ pub struct PacedStep {
     pub began_at: f64,
     /// The requests whose prompts first ran in this step.
     pub admitted: Vec<AdmittedRequest>,
+    /// The engine's ids of the requests whose prompt this step completed, so whose first token it
+    /// released (empty in logs written before the pacer logged them).
+    pub first_tokens: Vec<String>,
 }
 
 /// A request as a paced step first ran its prompt.
@@ -98,6 +101,9 @@ pub struct AdmittedRequest {
     pub queued_at: Option<f64>,
     /// Its prompt's tokens.
     pub prompt_tokens: u64,
+    /// The engine's id for it, which its responses carry; None in logs written before the pacer
+    /// logged it.
+    pub request_id: Option<String>,
 }
 
 impl PacedStep {
@@ -115,6 +121,8 @@ impl PacedStep {
             wall_ms: ms("wall_ms")?,
             began_at: ms("began_at")?,
             admitted: admitted(&v["admitted"]).with_context(|| format!("a pace log line's admitted: {line}"))?,
+            first_tokens: first_tokens(&v["first_tokens"])
+                .with_context(|| format!("a pace log line's first_tokens: {line}"))?,
         })
     }
 
@@ -129,8 +137,8 @@ impl PacedStep {
     }
 }
 
-/// The `admitted` list of a pace log line: `[arrived, queued, prompt tokens]`, the times null where
-/// the engine kept no stamp.
+/// The `admitted` list of a pace log line: `[arrived, queued, prompt tokens, request id]`, the times
+/// null where the engine kept no stamp (and no id in older logs).
 fn admitted(v: &Value) -> anyhow::Result<Vec<AdmittedRequest>> {
     let time = |t: &Value, what: &str| -> anyhow::Result<Option<f64>> {
         if t.is_null() {
@@ -146,8 +154,23 @@ fn admitted(v: &Value) -> anyhow::Result<Vec<AdmittedRequest>> {
                 arrived_at: time(&entry[0], "an arrival")?,
                 queued_at: time(&entry[1], "a queueing")?,
                 prompt_tokens: entry[2].as_u64().context("a prompt's tokens are not a count")?,
+                request_id: match &entry[3] {
+                    Value::Null => None,
+                    id => Some(id.as_str().with_context(|| format!("a request id is not a string: {id}"))?.to_owned()),
+                },
             })
         })
+        .collect()
+}
+
+/// The `first_tokens` list of a pace log line: request ids (absent in older logs).
+fn first_tokens(v: &Value) -> anyhow::Result<Vec<String>> {
+    if v.is_null() {
+        return Ok(Vec::new());
+    }
+    let list = v.as_array().context("not a list")?;
+    list.iter()
+        .map(|id| Ok(id.as_str().with_context(|| format!("a request id is not a string: {id}"))?.to_owned()))
         .collect()
 }
 
@@ -166,18 +189,28 @@ mod tests {
 
     #[test]
     fn a_step_line_parses_and_its_lateness_is_wall_over_target() {
-        let line = r#"{"t": 1.5, "runtime": "vllm", "step": 3, "decode_seqs": 4, "decode_context": 2413, "prefill_tokens": 2044, "model_ms": 65.629, "target_ms": 262.516, "compute_ms": 18.461, "wall_ms": 265.141, "began_at": 1.25, "admitted": [[1.1, 1.2, 2044], [null, null, 7]]}"#;
+        let line = r#"{"t": 1.5, "runtime": "vllm", "step": 3, "decode_seqs": 4, "decode_context": 2413, "prefill_tokens": 2044, "model_ms": 65.629, "target_ms": 262.516, "compute_ms": 18.461, "wall_ms": 265.141, "began_at": 1.25, "admitted": [[1.1, 1.2, 2044, "cmpl-a-1f2e3d4c"], [null, null, 7]], "first_tokens": ["cmpl-a-1f2e3d4c"]}"#;
         let step = PacedStep::parse(line).unwrap();
         assert_eq!((step.decode_seqs, step.decode_context, step.prefill_tokens), (4, 2413, 2044));
         assert!((step.lateness() - 1.01).abs() < 1e-3);
         assert_eq!(step.admitted.len(), 2);
         assert_eq!(step.admitted[0].arrived_at, Some(1.1));
-        assert_eq!(step.admitted[1], AdmittedRequest { arrived_at: None, queued_at: None, prompt_tokens: 7 });
+        assert_eq!(step.admitted[0].request_id.as_deref(), Some("cmpl-a-1f2e3d4c"));
+        assert_eq!(
+            step.admitted[1],
+            AdmittedRequest { arrived_at: None, queued_at: None, prompt_tokens: 7, request_id: None }
+        );
+        assert_eq!(step.first_tokens, ["cmpl-a-1f2e3d4c"]);
         let queued: Vec<f64> = step.queued_s().collect();
         assert!(queued.len() == 1 && (queued[0] - 0.05).abs() < 1e-9, "{queued:?}");
         let bad = line.replace("[null, null, 7]", r#"[null, "soon", 7]"#);
         let why = format!("{:#}", PacedStep::parse(&bad).unwrap_err());
         assert!(why.contains("admitted") && why.contains("a queueing is not a time"), "{why}");
+        let bad = line.replace(r#"["cmpl-a-1f2e3d4c"]}"#, "[7]}");
+        let why = format!("{:#}", PacedStep::parse(&bad).unwrap_err());
+        assert!(why.contains("first_tokens") && why.contains("not a string"), "{why}");
+        let older = line.replace(r#", "first_tokens": ["cmpl-a-1f2e3d4c"]"#, "");
+        assert!(PacedStep::parse(&older).unwrap().first_tokens.is_empty(), "a log without first tokens still reads");
         assert!(PacedStep::parse(r#"{"decode_seqs": 1}"#).unwrap_err().to_string().contains("decode_context"));
         assert!(PacedStep::parse("not json").is_err());
     }

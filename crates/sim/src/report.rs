@@ -24,6 +24,8 @@ struct RequestRecord {
     /// The engine the policy chose (dispatched or then rejected by admission).
     decided: Option<usize>,
     worker: Option<usize>,
+    /// When the step that first ran its prompt began (kept only when rows are listed).
+    first_step: Option<Timestamp>,
     first_token: Option<Timestamp>,
     finished: Option<Timestamp>,
     outcome: Option<Outcome>,
@@ -143,6 +145,16 @@ impl Recorder {
         self.records[i].first_token.get_or_insert(at);
     }
 
+    /// Whether rows are listed, and so [`Recorder::first_step`] wanted.
+    pub fn keeps_requests(&self) -> bool {
+        self.keep_requests
+    }
+
+    /// A step that runs request `i`'s prompt began (the first such one counts).
+    pub fn first_step(&mut self, i: usize, at: Timestamp) {
+        self.records[i].first_step.get_or_insert(at);
+    }
+
     /// Request `i` completed.
     pub fn completed(&mut self, i: usize, f: &Finished, at: Timestamp) {
         self.close(i);
@@ -224,6 +236,7 @@ impl Recorder {
                         index: i,
                         arrival_s: round(secs(Timestamp::ZERO, self.arrivals[i])),
                         worker: r.worker,
+                        first_step_s: r.first_step.map(|t| round(secs(self.arrivals[i], t))),
                         ttft_s: r.first_token.map(|t| round(secs(self.arrivals[i], t))),
                         e2e_s: r.finished.map(|t| round(secs(self.arrivals[i], t))),
                         prompt_tokens: r.prompt_tokens,
@@ -533,6 +546,10 @@ pub struct RequestRow {
     pub arrival_s: f64,
     /// The engine it was dispatched to; `None` if it never was.
     pub worker: Option<usize>,
+    /// Time to the start of the step that first ran its prompt, seconds (its way to the engine,
+    /// the intake and the queue; the rest of its TTFT is its prefill and the first token's
+    /// delivery); `None` if no step ran it.
+    pub first_step_s: Option<f64>,
     /// Time to its first token, seconds; `None` without one.
     pub ttft_s: Option<f64>,
     /// Time to its last token, seconds; `None` if it did not complete.

@@ -8,7 +8,7 @@ use kvgate_core::kv_stream::{BatchMark, LiveAction, StreamTracker};
 use kvgate_core::policy::projected::{self, WorkerLoad};
 use kvgate_core::telemetry::{snapshot_from_report, CountAssumptions};
 use kvgate_core::{BlockHasher, BlockKey, KvState, Namespace, PolicyConfig, RequestId, Timestamp};
-use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, Flavor, StepOutcome};
+use kvgate_engine_model::{Engine, EngineProfile, EngineRequest, EventBatch, Flavor, HostDelay, StepOutcome};
 use kvgate_protocol::KvEvent;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -180,6 +180,8 @@ const STAGGER_STREAM: u64 = 0x5374_6167_6765_7221;
 const STEP_GAP_STREAM: u64 = 0x4761_7073_4265_7477;
 /// Mixed into the seed for the engines' intake delays.
 const INTAKE_STREAM: u64 = 0x496e_7461_6b65_4465;
+/// Mixed into the seed for the ways to and from the engines (dispatch and delivery).
+const TRAVEL_STREAM: u64 = 0x5472_6176_656c_5761;
 
 /// One simulation run.
 pub struct Simulation<'w> {
@@ -196,6 +198,8 @@ pub struct Simulation<'w> {
     step_gap_rng: ChaCha8Rng,
     /// The intake delays' own randomness, for the same reason.
     intake_rng: ChaCha8Rng,
+    /// The dispatch and delivery delays' own randomness, for the same reason.
+    travel_rng: ChaCha8Rng,
     hasher: BlockHasher,
     in_flight: FxHashMap<RequestId, InFlight>,
     rec: Recorder,
@@ -321,6 +325,7 @@ impl<'w> Simulation<'w> {
             stagger_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STAGGER_STREAM),
             step_gap_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ STEP_GAP_STREAM),
             intake_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ INTAKE_STREAM),
+            travel_rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ TRAVEL_STREAM),
             hasher: BlockHasher::new(),
             in_flight: FxHashMap::default(),
             rec,
@@ -604,21 +609,33 @@ impl<'w> Simulation<'w> {
         projected::score(&load, ask, &self.cfg.knobs).queue_s()
     }
 
-    /// A request reaches engine `w`: its scheduler takes it now, or once the host's intake is done
-    /// with it. The intake takes one request at a time, in order (vLLM's API server renders and
-    /// tokenizes on a single worker thread by default), so requests sent together reach the
-    /// scheduler one intake apart.
+    /// A request is sent to engine `w`: its scheduler takes it now, or once it has reached the
+    /// engine ([`EngineProfile::dispatch`]) and the host's intake is done with it. The intake takes
+    /// one request at a time, in the order they were sent (vLLM's API server renders and tokenizes
+    /// on a single worker thread by default), so requests sent together reach the scheduler one
+    /// intake apart. On its way and in the intake a request is the engine's, waiting.
     fn submit(&mut self, w: usize, req: EngineRequest, now: Timestamp) {
-        let intake = &self.cfg.profile.intake;
-        if intake.is_none() {
+        let (dispatch, intake) = (self.cfg.profile.dispatch, self.cfg.profile.intake);
+        if dispatch.is_none() && intake.is_none() {
             return self.take(w, req, now);
         }
-        let micros = intake.micros(self.intake_rng.sample(StandardNormal));
+        let reaches = now.saturating_add(Duration::from_micros(draw(&dispatch, &mut self.travel_rng)));
         let host = &mut self.hosts[w];
-        let ready = Timestamp(host.intake_free_at.max(now).0 + micros);
-        host.intake_free_at = ready;
+        let ready = if intake.is_none() {
+            reaches
+        } else {
+            let micros = draw(&intake, &mut self.intake_rng);
+            host.intake_free_at = host.intake_free_at.max(reaches).saturating_add(Duration::from_micros(micros));
+            host.intake_free_at
+        };
         host.in_intake.push((req.id, req.tokens.len() as u64));
         self.queue.push(ready, Ev::Intake(w, host.epoch, req));
+    }
+
+    /// When a token an engine releases `now` reaches its client ([`EngineProfile::delivery`]).
+    fn delivered(&mut self, now: Timestamp) -> Timestamp {
+        let delivery = self.cfg.profile.delivery;
+        now.saturating_add(Duration::from_micros(draw(&delivery, &mut self.travel_rng)))
     }
 
     /// Engine `w`'s scheduler takes a request; an idle engine starts a step at once.
@@ -637,6 +654,13 @@ impl<'w> Simulation<'w> {
             Some(micros) => {
                 host.stepping = true;
                 self.queue.push(Timestamp(now.0 + micros), Ev::StepEnd(w, host.epoch));
+                if self.rec.keeps_requests() {
+                    for id in self.hosts[w].engine.planned() {
+                        if let Some(f) = self.in_flight.get(&id) {
+                            self.rec.first_step(f.request, now);
+                        }
+                    }
+                }
             }
             None => host.stepping = false,
         }
@@ -648,8 +672,9 @@ impl<'w> Simulation<'w> {
         host.max_waiting = host.max_waiting.max(host.engine.waiting_len() as u64);
         for id in first_tokens {
             if let Some(f) = self.in_flight.get(&id) {
-                self.rec.first_token(f.request, now);
-                let replica = f.replica;
+                let (request, replica) = (f.request, f.replica);
+                let at = self.delivered(now);
+                self.rec.first_token(request, at);
                 self.replicas[replica].policy.on_first_token(id, now);
                 self.changed(replica, now);
             }
@@ -660,8 +685,10 @@ impl<'w> Simulation<'w> {
                 r.view[f.worker].in_flight -= 1;
                 r.policy.on_finish(done.id, now, Some(done.output_tokens));
                 self.changed(f.replica, now);
-                self.rec.completed(f.request, &done, now);
-                self.ended(f.request, now);
+                // The client has the last token, and a closed-loop client sends its next, later.
+                let at = self.delivered(now);
+                self.rec.completed(f.request, &done, at);
+                self.ended(f.request, at);
             }
         }
         if let Some(batch) = batch {
@@ -896,5 +923,15 @@ impl<'w> Simulation<'w> {
         if let Some(batch) = self.hosts[w].engine.flush_idle() {
             self.send_batch(w, batch, now);
         }
+    }
+}
+
+/// A host delay drawn from `rng`: nothing is drawn for none, so a run without the delay draws what
+/// it drew before the delay existed.
+fn draw(delay: &HostDelay, rng: &mut ChaCha8Rng) -> u64 {
+    if delay.is_none() {
+        0
+    } else {
+        delay.micros(rng.sample(StandardNormal))
     }
 }

@@ -1,5 +1,6 @@
-//! The engines' host delays: the gap after a step before the host plans the next, and the
-//! intake from a request reaching the engine to its scheduler taking it.
+//! The engines' host delays: the gap after a step before the host plans the next, the intake from
+//! a request reaching the engine to its scheduler taking it, and the ways there (dispatch) and back
+//! (delivery).
 
 use kvgate_core::Timestamp;
 use kvgate_engine_model::{EngineProfile, HostDelay};
@@ -176,4 +177,58 @@ fn the_oracle_counts_the_requests_in_an_engines_intake_as_the_engines() {
     let r = kvgate_sim::run(&w, cfg).unwrap();
     let routed: Vec<u64> = r.workers.iter().map(|w| w.requests).collect();
     assert!(routed.iter().all(|&n| n <= 2) && routed.iter().sum::<u64>() == 4, "{routed:?}");
+}
+
+fn with_travel(dispatch: HostDelay, intake: HostDelay, delivery: HostDelay) -> EngineProfile {
+    EngineProfile { dispatch, intake, delivery, ..EngineProfile::llama3_8b_h100() }
+}
+
+#[test]
+fn a_fixed_dispatch_and_delivery_add_exactly_themselves_to_a_lone_request() {
+    let w = lone_request(1000, 21);
+    let none = HostDelay::NONE;
+    let (ttft, e2e) = times(&run_with(&w, with_travel(none, none, none), 1, Vec::new()).unwrap());
+    let ms = |v: f64| HostDelay { median_ms: v, p90_ms: v };
+    let (sent_ttft, sent_e2e) = times(&run_with(&w, with_travel(ms(7.0), none, none), 1, Vec::new()).unwrap());
+    assert_eq!((sent_ttft - ttft, sent_e2e - e2e), (7_000, 7_000), "the engine takes it 7 ms after it is sent");
+    let (back_ttft, back_e2e) = times(&run_with(&w, with_travel(none, none, ms(12.0)), 1, Vec::new()).unwrap());
+    assert_eq!((back_ttft - ttft, back_e2e - e2e), (12_000, 12_000), "each token reaches the client 12 ms late");
+    let all = with_travel(ms(7.0), ms(50.0), ms(12.0));
+    let (all_ttft, all_e2e) = times(&run_with(&w, all.clone(), 1, Vec::new()).unwrap());
+    assert_eq!((all_ttft - ttft, all_e2e - e2e), (69_000, 69_000), "the three add up");
+    // The row cuts the TTFT where the request's first step begins: after the way there and the
+    // intake, before the prefill and the way back.
+    let row = &run_with(&w, all, 1, Vec::new()).unwrap().per_request[0];
+    let first_step = (row.first_step_s.unwrap() * 1e6).round() as i64;
+    assert_eq!(first_step, 57_000, "{row:?}");
+    assert_eq!(all_ttft - first_step, ttft + 12_000, "the prefill step, then the delivery: {row:?}");
+}
+
+#[test]
+fn requests_dispatched_together_reach_the_intake_together_and_leave_it_one_at_a_time() {
+    let w = together(4, 500, 4);
+    let ttfts = |r: &Report| (0..4).map(|i| times_of(r, i).0).collect::<Vec<_>>();
+    let none = HostDelay::NONE;
+    let plain = ttfts(&run_with(&w, with_travel(none, none, none), 1, Vec::new()).unwrap());
+    let ms = |v: f64| HostDelay { median_ms: v, p90_ms: v };
+    // All four reach the engine 10 ms after they are sent; the intake then takes 50 ms each.
+    let serial = ttfts(&run_with(&w, with_travel(ms(10.0), ms(50.0), none), 1, Vec::new()).unwrap());
+    for k in 0..4 {
+        assert_eq!(serial[k] - plain[0], 10_000 + 50_000 * (k as i64 + 1), "request {k}: {serial:?}");
+    }
+}
+
+#[test]
+fn a_closed_loop_client_sends_its_next_request_once_the_last_token_has_reached_it() {
+    // Two requests of one client, the second sent when the first has ended: the delivery of the
+    // first's last token comes before the second leaves, so the second's arrival moves with it.
+    let mut w = together(2, 500, 4);
+    w.requests[1].after = Some(kvgate_sim::workload::After::Request { index: 0, gap: std::time::Duration::ZERO });
+    let none = HostDelay::NONE;
+    let arrivals = |r: &Report| (r.per_request[0].arrival_s, r.per_request[1].arrival_s);
+    let (first, second) = arrivals(&run_with(&w, with_travel(none, none, none), 1, Vec::new()).unwrap());
+    let delivery = HostDelay { median_ms: 12.0, p90_ms: 12.0 };
+    let (late_first, late_second) = arrivals(&run_with(&w, with_travel(none, none, delivery), 1, Vec::new()).unwrap());
+    assert_eq!(late_first, first);
+    assert!(((late_second - second) - 0.012).abs() < 1e-9, "{late_second} against {second}");
 }

@@ -27,13 +27,16 @@ Configuration, from the environment (`scripts/real-engines/engine.sh` sets it):
   `step_base_ms`, `per_seq_ms`, `per_kilo_context_ms`, `prefill_tokens_per_s`). Pacing is on when set.
 - KVGATE_PACE_SCALE: wall seconds per modeled second (default 1).
 - KVGATE_PACE_LOG: a file that receives one JSON line per step (optional). Besides the batch and its
-  times, a step's line carries `began_at` (the wall time the engine began the step) and `admitted`:
-  for each request whose prompt first runs in this step, `[arrived, queued, prompt tokens]`. Arrived
-  is the wall time the engine's API server took the request, before rendering and tokenizing it
-  (both engines stamp it; SGLang's does not reach its scheduler by itself, see
+  times, a step's line carries `began_at` (the wall time the engine began the step), `admitted`: for
+  each request whose prompt first runs in this step, `[arrived, queued, prompt tokens, request id]`,
+  and `first_tokens`: the ids of the requests whose prompt this step completes, so whose first token
+  it releases at the line's `t`. Arrived is the wall time the engine's API server took the request,
+  before rendering and tokenizing it (both engines stamp it; SGLang's does not reach its scheduler by itself, see
   `_carry_sglang_arrival`); queued, when the scheduler put it in its waiting queue, which it does
   between steps. They measure a request's way from the router to the engine's first step
-  (`fidelity_common.intake_intervals`). Null where a stamp is missing.
+  (`fidelity_common.intake_intervals`). Null where a stamp is missing. The request id is the
+  engine's own, which its responses' `id` carries, so a client's records can be joined to these
+  (`fidelity_common.ttft_parts`).
 
 `python kvgate_pacer.py step-ms N K C` prints the modeled step time for a batch, unscaled, so tests can
 hold this copy of the formula against the Rust one.
@@ -90,8 +93,10 @@ class Step:
 
     def __init__(self, began, started, batch, model_ms, deadline):
         self.began = began
-        # [arrived, queued, prompt tokens] of the requests this step admits, when logged.
+        # [arrived, queued, prompt tokens, id] of the requests this step admits, when logged.
         self.admitted = []
+        # The ids of the requests whose first token this step releases, when logged.
+        self.first_tokens = []
         self.started = started
         self.batch = batch
         self.model_ms = model_ms
@@ -162,6 +167,7 @@ class Pacer:
                 "wall_ms": round((done - step.started) * 1000.0, 3),
                 "began_at": round(wall_time(step.began), 6),
                 "admitted": step.admitted,
+                "first_tokens": step.first_tokens,
             }
             with self.lock:
                 self.log.write(json.dumps(record) + "\n")
@@ -175,7 +181,7 @@ def wall_time(perf_counter_time):
 
 
 def _vllm_admitted(scheduler, output):
-    """[arrived, queued, prompt tokens] of each request a vLLM step schedules for the first time.
+    """[arrived, queued, prompt tokens, id] of each request a vLLM step schedules for the first time.
     vLLM stamps a request's arrival (wall time) in its API server before rendering and tokenizing
     it; the queueing is stamped by `_pace_vllm`'s `add_request`."""
     admitted = []
@@ -188,9 +194,24 @@ def _vllm_admitted(scheduler, output):
                     round(request.arrival_time, 6),
                     round(wall_time(queued), 6) if queued is not None else None,
                     request.num_prompt_tokens,
+                    new.req_id,
                 ]
             )
     return admitted
+
+
+def _vllm_first_tokens(scheduler, output):
+    """The ids of the requests whose prompt a vLLM step completes: it samples their first token. (A
+    preempted request recomputing its prompt shows again; its first showing is the one that counts.)"""
+    done = []
+    for request_id, scheduled in output.num_scheduled_tokens.items():
+        request = scheduler.requests.get(request_id)
+        if request is None:
+            continue
+        computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
+        if computed - scheduled < prompt <= computed:
+            done.append(request_id)
+    return done
 
 
 def _vllm_batch(scheduler, output):
@@ -230,6 +251,7 @@ def _pace_vllm(module, pacer):
         step = pacer.plan(started, _vllm_batch(self, output))
         if step is not None and pacer.log is not None:
             step.admitted = _vllm_admitted(self, output)
+            step.first_tokens = _vllm_first_tokens(self, output)
         self._kvgate_step = (output, step)
         return output
 
@@ -291,7 +313,7 @@ def _carry_sglang_arrival(module):
 
 
 def _sglang_admitted(batch, seen):
-    """[arrived, queued, prompt tokens] of each request an SGLang prefill batch runs for the first
+    """[arrived, queued, prompt tokens, id] of each request an SGLang prefill batch runs for the first
     time (a long prompt runs in several chunks). The scheduler stamps a request when it receives it
     (already tokenized); the API server's stamp reaches it through `_carry_sglang_arrival`. Both
     are perf_counter readings. `seen` holds the requests already admitted; it is cleared when it
@@ -308,8 +330,22 @@ def _sglang_admitted(batch, seen):
         received = getattr(stats, "scheduler_recv_time", 0.0) if stats is not None else 0.0
         arrived = round(wall_time(created), 6) if created else None
         queued = round(wall_time(received), 6) if received else None
-        admitted.append([arrived, queued, len(req.origin_input_ids)])
+        admitted.append([arrived, queued, len(req.origin_input_ids), req.rid])
     return admitted
+
+
+def _sglang_first_tokens(batch):
+    """The ids of the requests whose prompt an SGLang prefill batch completes: until its last chunk
+    a request counts the chunks in flight before it (`inflight_middle_chunks`; `is_chunked` in
+    older SGLang), and its output is not taken; the last samples its first token."""
+    done = []
+    for req in batch.reqs:
+        chunks = getattr(req, "inflight_middle_chunks", None)
+        if chunks is None:
+            chunks = getattr(req, "is_chunked", 0)
+        if chunks <= 0 and not getattr(req, "is_retracted", False):
+            done.append(req.rid)
+    return done
 
 
 def _pace_sglang(module, pacer):
@@ -339,6 +375,7 @@ def _pace_sglang(module, pacer):
             step.computed = time.perf_counter()
             if pacer.log is not None and batch_shape[2] > 0:
                 step.admitted = _sglang_admitted(batch, seen)
+                step.first_tokens = _sglang_first_tokens(batch)
             result._kvgate_step = step
         return result
 

@@ -148,8 +148,9 @@ struct Measured {
 }
 
 /// Every probe `b` served shows in its pace log once, taken by the API server, then queued, then run
-/// by the step that first ran it: what `fidelity_common.intake_intervals` measures a request's way
-/// to the scheduler with. Returns the times from the API server to the queue, sorted.
+/// by the step that first ran it, and has its first token released once, under the id the pace
+/// log names it by: what `fidelity_common.intake_intervals` and `ttft_parts` measure a request's
+/// way to its first token with. Returns the times from the API server to the queue, sorted.
 fn check_admissions(engine: &Engine, steps: &[PacedStep], probes: u64) -> anyhow::Result<Vec<f64>> {
     let admitted: Vec<_> = steps.iter().flat_map(|s| s.admitted.iter()).collect();
     ensure!(
@@ -170,6 +171,26 @@ fn check_admissions(engine: &Engine, steps: &[PacedStep], probes: u64) -> anyhow
         "engine {}: a probe was queued before its API server took it: {admitted:?}",
         engine.spec.name
     );
+    // Each probe's first token is released once, by the step that completes its prompt: the step
+    // that first ran it or a later one (`fidelity_common.ttft_parts` joins a client's records to
+    // these by id).
+    for (i, step) in steps.iter().enumerate() {
+        for a in &step.admitted {
+            let id = a
+                .request_id
+                .as_deref()
+                .with_context(|| format!("engine {}: an admitted probe has no request id: {a:?}", engine.spec.name))?;
+            let released: Vec<usize> =
+                (0..steps.len()).filter(|&j| steps[j].first_tokens.iter().any(|t| t == id)).collect();
+            ensure!(
+                released.len() == 1 && released[0] >= i,
+                "engine {} ({}): probe {id} first ran in step {i} of the probes', but its first token was \
+                 released in steps {released:?}",
+                engine.spec.name,
+                engine.spec.runtime
+            );
+        }
+    }
     let queued: Vec<f64> = steps.iter().flat_map(PacedStep::queued_s).collect();
     ensure!(
         queued.iter().all(|&s| s >= 0.0),

@@ -222,17 +222,23 @@ def fit_lognormal(intervals):
     return math.exp(mu), math.exp(mu + 1.2815515655 * sigma)
 
 
-def runs_ttft_parts(work, config=None):
-    """`ttft_parts` over every run in a work directory that kept the client's records
-    (`CONFIG-ROUND.requests.jsonl`, beside its pacer logs in `CONFIG-ROUND.pace/`), or only
-    CONFIG's runs ("smg-cache_aware" is not "smg-cache_aware-unguarded"), and how many requests
-    the records hold in all."""
-    parts, total = [], 0
+def run_records(work, config=None):
+    """The client's records of every run in a work directory (`CONFIG-ROUND.requests.jsonl`), or of
+    CONFIG's runs only ("smg-cache_aware" is not "smg-cache_aware-unguarded"), sorted."""
+    paths = []
     for path in sorted(glob.glob(f"{work}/*.requests.jsonl")):
+        name, _, round_ = os.path.basename(path)[:-len(".requests.jsonl")].rpartition("-")
+        if round_.isdigit() and (config is None or name == config):
+            paths.append(path)
+    return paths
+
+
+def runs_ttft_parts(work, config=None):
+    """`ttft_parts` over the runs `run_records` finds (each run's pacer logs are beside its records,
+    in `CONFIG-ROUND.pace/`), and how many requests the records hold in all."""
+    parts, total = [], 0
+    for path in run_records(work, config):
         run = path[:-len(".requests.jsonl")]
-        name, _, round_ = os.path.basename(run).rpartition("-")
-        if not round_.isdigit() or (config is not None and name != config):
-            continue
         total += sum(1 for _ in open(path))
         parts += ttft_parts(sorted(glob.glob(f"{run}.pace/e*.pace.jsonl")), path)
     return parts, total

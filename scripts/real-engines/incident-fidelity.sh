@@ -79,7 +79,7 @@ python3 - "$work/results.jsonl" "$work/sim.json" "$engines" "$runtime" "$pace" "
   "$work" "${CLIENTS:-16}" "${PER_BURST:-48}" <<'PY'
 import glob, json, sys
 sys.path.insert(0, "scripts/real-engines")
-from fidelity_common import TTFT_PARTS, error, intake_delays, latencies, mean, pairs, quantile, runs_count, runs_ttft_parts
+from fidelity_common import TTFT_PARTS, error, intake_delays, latencies, mean, pairs, quantile, run_records, runs_count, runs_ttft_parts
 results, sim_path, engines, runtime, pace, scale, prefix_tokens, question_tokens, work = sys.argv[1:10]
 clients, per_burst = int(sys.argv[10]), int(sys.argv[11])
 names = [("kvgate-enforce", "projected:enforce"), ("kvgate-off", "projected:off"),
@@ -122,8 +122,7 @@ print("\nTTFT by wave (wave k: each client's request k of a burst), p50 / p90 in
 print("| router | " + " | ".join(f"wave {k}" for k in range(waves)) + " | over 2 s | first to last token p10 / p50 / p90 (ms) |")
 print("|---|" + "---|" * (waves + 2))
 for real_name, sim_name, found in pairs(results, sim_path, names):
-    files = [f for f in sorted(glob.glob(f"{work}/{real_name}-*.requests.jsonl"))
-             if f[len(f"{work}/{real_name}-"):-len(".requests.jsonl")].isdigit()]
+    files = run_records(work, real_name)
     if not files or found is None:
         continue
     real = [json.loads(line) for f in files for line in open(f)]
@@ -171,6 +170,7 @@ for real_name, _, _ in pairs(results, sim_path, names):
 # (fidelity_common.ttft_parts). The simulator models to_engine and delivery as the profile's
 # dispatch and delivery, fitted to these (sim-profile.sh).
 print("\nWhere a request's TTFT goes, real (ms, p50 / p90 of each part; the parts' p50s need not add up to the TTFT's)\n")
+q2 = lambda xs: f"{quantile(xs, 0.5):.0f} / {quantile(xs, 0.9):.0f}"
 print("| router | requests | " + " | ".join(TTFT_PARTS) + " | TTFT | prefill's steps past their targets |")
 print("|---|---|" + "---|" * (len(TTFT_PARTS) + 2))
 for real_name, _, _ in pairs(results, sim_path, names):
@@ -178,7 +178,6 @@ for real_name, _, _ in pairs(results, sim_path, names):
     if not parts:
         print(f"| {real_name} | 0 of {total}: no request ids in its pacer logs or records | " + " | " * (len(TTFT_PARTS) + 1))
         continue
-    q2 = lambda xs: f"{quantile(xs, 0.5):.0f} / {quantile(xs, 0.9):.0f}"
     ttft = [sum(p[k] for k in TTFT_PARTS) for p in parts]
     print(f"| {real_name} | {len(parts)} of {total} | " + " | ".join(q2([p[k] for p in parts]) for k in TTFT_PARTS)
           + f" | {q2(ttft)} | {q2([p['late'] for p in parts])} |")
@@ -205,7 +204,6 @@ for real_name, sim_name, found in pairs(results, sim_path, names):
         on_time = [p["prefill"] - p["late"] + p["delivery"] for p in real_k]
         sim_before = [r["first_step_s"] * 1000 for r in sim_k]
         sim_after = [(r["ttft_s"] - r["first_step_s"]) * 1000 for r in sim_k]
-        q2 = lambda xs: f"{quantile(xs, 0.5):.0f} / {quantile(xs, 0.9):.0f}"
         cells.append(f"{q2(before)} real, {q2(sim_before)} sim")
         cells.append(f"{q2(after)} real ({q2(on_time)} with its steps on time), {q2(sim_after)} sim")
     print(f"| {real_name} | " + " | ".join(cells) + " |")

@@ -64,7 +64,7 @@ trap stop_all EXIT
 start_fleet() {
   for i in $(seq 0 $((engines - 1))); do
     p=$(engine_port "$i")
-    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((kv_tokens * 512)) "$run_dir" \
+    scripts/real-engines/engine.sh start "e$i" "$p" "tcp://*:$((p + 1))" "$((p + 2))" "$kv_tokens" "$run_dir" \
       "$runtime" "${transport:-http}"
   done
   for i in $(seq 0 $((engines - 1))); do

@@ -2,7 +2,7 @@
 # Starts or stops one real engine (vLLM or SGLang, on the CPU) serving the tiny model, in its own
 # process group.
 #
-#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_BYTES [RUN_DIR] [RUNTIME] [TRANSPORT] [TASK]
+#   scripts/real-engines/engine.sh start NAME PORT KV_ENDPOINT REPLAY_PORT KV_TOKENS [RUN_DIR] [RUNTIME] [TRANSPORT] [TASK]
 #   scripts/real-engines/engine.sh stop NAME [RUN_DIR]
 #   scripts/real-engines/engine.sh wait NAME PORT [TIMEOUT_S] [RUN_DIR]
 #
@@ -13,11 +13,16 @@
 # server; `wait` then asks the standard gRPC health service. KV_ENDPOINT is the engines' own `endpoint` form (both
 # share the publisher code): `tcp://*:P` binds the engine's PUB socket (kvgate connects);
 # `tcp://127.0.0.1:P` makes the engine connect (kvgate must bind). The replay socket is always bound
-# by the engine. KV_BYTES is the KV cache size: 512 bytes a token for the tiny model, so 4194304
-# holds 8,192 tokens (256 blocks of 32); the longest prompt is capped at what fits, less one block
-# (at most 4,096 tokens). vLLM takes it as --kv-cache-memory-bytes, SGLang as --max-total-tokens.
+# by the engine. KV_TOKENS is the KV cache size in tokens (8192 is 256 blocks of 32); the longest
+# prompt is capped at what fits, less one block (at most 4,096 tokens). SGLang takes it as
+# --max-total-tokens; vLLM as --kv-cache-memory-bytes, at the tiny model's bytes a token for the dtype.
 # TASK is `generate` (the default) or `embed`: the tiny model served as an embedding model
 # (vLLM's --runner pooling --convert embed, SGLang's --is-embedding), for /v1/embeddings and Embed.
+#
+# The engines compute in float32 (KVGATE_ENGINE_DTYPE, default float32; bfloat16 is the model's own).
+# On CPUs without AVX-512 BF16, bfloat16 is emulated and slow: on the 2-core AVX2 machine of
+# 2026-12-07 one 2,048-token prefill took 320 ms in bfloat16 and 140 ms in float32 on vLLM, 270 and
+# 112 ms on SGLang. A paced step must outlast the engine's own compute, so the cheaper the better.
 #
 # vLLM flags beyond the basics: --enforce-eager (no graph capture: starts in ~25 s instead of ~40 s),
 # --trust-request-chat-template (tests render other templates through /tokenize), and
@@ -85,7 +90,7 @@ stop_group() {
 
 case "$cmd" in
   start)
-    port="${3:?port}"; kv_endpoint="${4:?kv endpoint}"; replay_port="${5:?replay port}"; kv_bytes="${6:?kv bytes}"
+    port="${3:?port}"; kv_endpoint="${4:?kv endpoint}"; replay_port="${5:?replay port}"; kv_tokens="${6:?kv tokens}"
     run="${7:-$root/target/real-engines/run}"
     runtime="${8:-vllm}"
     transport="${9:-http}"
@@ -111,8 +116,16 @@ case "$cmd" in
     stop_group "$run/$name.pid"
     # What `wait` asks: the OpenAI server, or the gRPC health service with this venv's grpcio.
     if [ "$transport" = grpc ]; then echo "$venv" > "$run/$name.grpc"; else rm -f "$run/$name.grpc"; fi
+    # The tiny model's KV a token: 2 layers x K and V x 2 KV heads x 32 dims x the dtype's bytes.
+    dtype="${KVGATE_ENGINE_DTYPE:-float32}"
+    case "$dtype" in
+      float32) kv_token_bytes=1024 ;;
+      bfloat16|float16) kv_token_bytes=512 ;;
+      *) echo "engine.sh: unknown KVGATE_ENGINE_DTYPE $dtype (float32, bfloat16 or float16)" >&2; exit 2 ;;
+    esac
+    kv_bytes=$((kv_tokens * kv_token_bytes))
     # The longest sequence must fit the KV cache with a block to spare, or vLLM refuses to start.
-    max_len=$((kv_bytes / 512 - 32))
+    max_len=$((kv_tokens - 32))
     [ "$max_len" -gt 4096 ] && max_len=4096
     # Pacing: the pacer's sitecustomize goes first on PYTHONPATH, so every process of the engine
     # (the API server and the engine core it spawns) loads it.
@@ -138,7 +151,7 @@ case "$cmd" in
         VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
         "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.launchers.grpc_server \
           --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
-          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
+          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager --dtype "$dtype" \
           --kv-cache-memory-bytes "$kv_bytes" "${vllm_task[@]}" \
           --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     elif [ "$runtime" = vllm ]; then
@@ -148,7 +161,7 @@ case "$cmd" in
         VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
         "${niced[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
           --model "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
-          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager \
+          --enable-prefix-caching --block-size 32 --max-model-len "$max_len" --enforce-eager --dtype "$dtype" \
           --kv-cache-memory-bytes "$kv_bytes" --trust-request-chat-template --enable-prompt-tokens-details \
           "${vllm_task[@]}" --kv-events-config "$kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     else
@@ -166,7 +179,7 @@ case "$cmd" in
         "${niced[@]}" "$venv/bin/python" -m sglang.launch_server \
           --model-path "$model" --served-model-name tiny --host 127.0.0.1 --port "$port" \
           --device cpu --attention-backend torch_native --page-size 32 \
-          --max-total-tokens "$((kv_bytes / 512))" --context-length "$max_len" \
+          --max-total-tokens "$kv_tokens" --context-length "$max_len" --dtype "$dtype" \
           "${sglang_mode[@]}" "${sglang_task[@]}" --enable-cache-report --skip-server-warmup --trust-request-chat-template --sleep-on-idle \
           --kv-events-config "$sglang_kv_config" > "$run/$name.log" 2>&1 < /dev/null &
     fi

@@ -67,7 +67,7 @@ for mode in unpaced paced; do
   for i in 0 1; do
     name=$([ "$i" = 0 ] && echo a || echo b)
     p=$((base + 10 * i))
-    scripts/real-engines/engine.sh start "$name" "$p" "tcp://*:$((p + 1))" "$((p + 2))" $((16384 * 512)) "$run" "$runtime"
+    scripts/real-engines/engine.sh start "$name" "$p" "tcp://*:$((p + 1))" "$((p + 2))" 16384 "$run" "$runtime"
   done
   scripts/real-engines/engine.sh wait a "$base" 300 "$run"
   scripts/real-engines/engine.sh wait b "$((base + 10))" 300 "$run"

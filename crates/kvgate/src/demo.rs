@@ -86,7 +86,7 @@ fn start_real_fleet(
     runtime: kvgate_real_engines::fleet::Runtime,
     workers: usize,
 ) -> anyhow::Result<kvgate_real_engines::fleet::Fleet> {
-    use kvgate_real_engines::fleet::{repo_root, EngineSpec, Fleet, BYTES_PER_TOKEN};
+    use kvgate_real_engines::fleet::{repo_root, EngineSpec, Fleet};
     use kvgate_real_engines::pacing::Pacing;
     let setup = repo_root().join("scripts/real-engines/setup.sh");
     if !setup.exists() {
@@ -105,7 +105,7 @@ fn start_real_fleet(
     // it (unpaced, four engines on two cores gave `enforce` a TTFT p90 of 2.7–5.0 s against
     // `cache_aware_seeded`'s 1.8–2.8, docs/mock-engine.md).
     let specs = (0..workers)
-        .map(|i| EngineSpec::new(&format!("demo{i}"), 4_096 * BYTES_PER_TOKEN).on(runtime).paced(Pacing::cpu_default()))
+        .map(|i| EngineSpec::new(&format!("demo{i}"), 4_096).on(runtime).paced(Pacing::cpu_default()))
         .collect();
     Fleet::start(specs, Duration::from_secs(600))
 }

@@ -163,8 +163,8 @@ pub struct EngineSpec {
     pub runtime: Runtime,
     /// KV-event socket role.
     pub kv_role: KvRole,
-    /// KV cache size in bytes (512 bytes a token for the tiny model).
-    pub kv_bytes: u64,
+    /// KV cache size in tokens (`engine.sh` turns it into each runtime's own setting).
+    pub kv_tokens: u64,
     /// Served as a gRPC worker (SMG's worker protocol) instead of the engine's OpenAI HTTP server.
     pub grpc: bool,
     /// Paced like a GPU ([`crate::pacing`]), or free-running on the CPU.
@@ -175,12 +175,12 @@ pub struct EngineSpec {
 
 impl EngineSpec {
     /// A vLLM engine that binds its KV-event socket.
-    pub fn new(name: &str, kv_bytes: u64) -> Self {
+    pub fn new(name: &str, kv_tokens: u64) -> Self {
         EngineSpec {
             name: name.into(),
             runtime: Runtime::Vllm,
             kv_role: KvRole::EngineBinds,
-            kv_bytes,
+            kv_tokens,
             grpc: false,
             pacing: None,
             embeds: false,
@@ -218,8 +218,6 @@ impl EngineSpec {
     }
 }
 
-/// KV cache bytes per token of the tiny model: 2 layers × 2 KV heads × 32 dims × (K, V) × 2 bytes.
-pub const BYTES_PER_TOKEN: u64 = 512;
 /// The engines' block size (vLLM on CPU needs a multiple of 32; SGLang's page size is set to match).
 pub const BLOCK_SIZE: u32 = 32;
 /// The served model name.
@@ -372,7 +370,7 @@ impl Engine {
                 &self.port.to_string(),
                 &self.engine_endpoint(),
                 &self.replay_port.to_string(),
-                &self.spec.kv_bytes.to_string(),
+                &self.spec.kv_tokens.to_string(),
                 &self.run_dir.to_string_lossy(),
                 self.spec.runtime.name(),
                 if self.spec.grpc { "grpc" } else { "http" },

@@ -49,7 +49,7 @@ mod real {
     pub mod streaming;
 }
 
-use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime, BYTES_PER_TOKEN};
+use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime};
 use kvgate_real_engines::pacing::Pacing;
 
 /// Longest a trial may run before it fails (the engines share 2 cores).
@@ -121,14 +121,14 @@ fn trials_of(runtime: Runtime) -> Vec<(&'static str, TrialFn)> {
 /// The fleet of one runtime's suite (see the module docs).
 fn fleet_of(runtime: Runtime) -> Vec<EngineSpec> {
     let mut specs: Vec<EngineSpec> = vec![
-        EngineSpec::new("a", 16_384 * BYTES_PER_TOKEN).on(runtime),
-        EngineSpec::new("b", 16_384 * BYTES_PER_TOKEN).on(runtime).connecting(),
-        EngineSpec::new("c", 2_048 * BYTES_PER_TOKEN).on(runtime),
+        EngineSpec::new("a", 16_384).on(runtime),
+        EngineSpec::new("b", 16_384).on(runtime).connecting(),
+        EngineSpec::new("c", 2_048).on(runtime),
         // The same runtime as a gRPC worker (SMG's protocol), which only the gRPC trials route to.
-        EngineSpec::new("g", 16_384 * BYTES_PER_TOKEN).on(runtime).grpc(),
+        EngineSpec::new("g", 16_384).on(runtime).grpc(),
     ];
     if runtime == Runtime::Sglang {
-        specs.push(EngineSpec::new("v", 16_384 * BYTES_PER_TOKEN).on(Runtime::Vllm));
+        specs.push(EngineSpec::new("v", 16_384).on(Runtime::Vllm));
     }
     specs.into_iter().map(|s| s.paced(Pacing::cpu_default())).collect()
 }

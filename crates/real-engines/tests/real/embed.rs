@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use base64::Engine as _;
-use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime, BYTES_PER_TOKEN, MODEL};
+use kvgate_real_engines::fleet::{EngineSpec, Fleet, Runtime, MODEL};
 use kvgate_real_engines::gateway::http;
 use serde_json::{json, Value};
 
@@ -116,8 +116,8 @@ fn cases(runtime: Runtime) -> Vec<Value> {
 pub async fn a_grpc_embedding_worker_answers_as_the_engines_own_server_does(fleet: Arc<Fleet>) -> anyhow::Result<()> {
     let runtime = fleet.engine("a").spec.runtime;
     let specs = vec![
-        EngineSpec::new("eh", 4_096 * BYTES_PER_TOKEN).on(runtime).embedding(),
-        EngineSpec::new("eg", 4_096 * BYTES_PER_TOKEN).on(runtime).grpc().embedding(),
+        EngineSpec::new("eh", 4_096).on(runtime).embedding(),
+        EngineSpec::new("eg", 4_096).on(runtime).grpc().embedding(),
     ];
     let pair = tokio::task::spawn_blocking(move || Fleet::start(specs, START)).await??;
     let (own, worker) = (pair.engine("eh"), pair.engine("eg"));

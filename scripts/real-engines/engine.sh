@@ -19,7 +19,7 @@
 # TASK is `generate` (the default) or `embed`: the tiny model served as an embedding model
 # (vLLM's --runner pooling --convert embed, SGLang's --is-embedding), for /v1/embeddings and Embed.
 #
-# The engines compute in float32 (KVGATE_ENGINE_DTYPE, default float32; bfloat16 is the model's own).
+# The engines compute in float32 (KVGATE_ENGINE_DTYPE; bfloat16, the model's own, for `embed`).
 # On CPUs without AVX-512 BF16, bfloat16 is emulated and slow: on the 2-core AVX2 machine of
 # 2026-12-07 one 2,048-token prefill took 320 ms in bfloat16 and 140 ms in float32 on vLLM, 270 and
 # 112 ms on SGLang. A paced step must outlast the engine's own compute, so the cheaper the better.
@@ -117,7 +117,12 @@ case "$cmd" in
     # What `wait` asks: the OpenAI server, or the gRPC health service with this venv's grpcio.
     if [ "$transport" = grpc ]; then echo "$venv" > "$run/$name.grpc"; else rm -f "$run/$name.grpc"; fi
     # The tiny model's KV a token: 2 layers x K and V x 2 KV heads x 32 dims x the dtype's bytes.
-    dtype="${KVGATE_ENGINE_DTYPE:-float32}"
+    # An embedding engine keeps the model's bfloat16: it is never paced, and in float32 SGLang's
+    # vectors of a multi-input request differed in their last digits (relative 3e-5) between its own
+    # server and its gRPC worker, where the suite holds them equal bit for bit (CI, 2026-12-08).
+    default_dtype=float32
+    [ "$task" = embed ] && default_dtype=bfloat16
+    dtype="${KVGATE_ENGINE_DTYPE:-$default_dtype}"
     case "$dtype" in
       float32) kv_token_bytes=1024 ;;
       bfloat16|float16) kv_token_bytes=512 ;;
